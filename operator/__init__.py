@@ -1,0 +1,1 @@
+"""Kopf operator for TandemService resources (import name ``tandem_operator``)."""

@@ -1,0 +1,1 @@
+"""Scheduler service: tokenize, process images, cache, schedule, strip, stream."""

@@ -1,0 +1,1 @@
+"""Worker service: resolve SHM features, encode, run the model, sample."""
