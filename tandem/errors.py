@@ -143,7 +143,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await fn(request, context)
-        except Exception as exc:  # noqa: BLE001 - the one mapping point
+        except Exception as exc:
             if _is_abort(exc):
                 raise
             await abort(context, exc)
@@ -156,7 +156,7 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
         try:
             async for item in fn(request, context):
                 yield item
-        except Exception as exc:  # noqa: BLE001 - the one mapping point
+        except Exception as exc:
             if _is_abort(exc):
                 raise
             await abort(context, exc)

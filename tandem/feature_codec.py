@@ -84,7 +84,9 @@ def tensor_from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:
 def item_to_proto(item: MultiModalKwargsItem) -> worker_pb2.FeatureItem:
     return worker_pb2.FeatureItem(
         fields=[
-            worker_pb2.FeatureField(name=k, tensor=tensor_to_proto(e.data), keep_on_cpu=e.keep_on_cpu)
+            worker_pb2.FeatureField(
+                name=k, tensor=tensor_to_proto(e.data), keep_on_cpu=e.keep_on_cpu
+            )
             for k, e in item.items()
         ]
     )
@@ -157,7 +159,9 @@ def item_to_parts(item: MultiModalKwargsItem) -> list[bytes | memoryview]:
     return parts
 
 
-def item_from_buffer(buf: memoryview | bytes, only_keep_on_cpu: bool = False) -> MultiModalKwargsItem:
+def item_from_buffer(
+    buf: memoryview | bytes, only_keep_on_cpu: bool = False
+) -> MultiModalKwargsItem:
     """Decode an SHM object into private tensors (one copy each; the buffer may go away)."""
     (hlen,) = _LEN.unpack_from(buf, 0)
     if _LEN.size + hlen > len(buf):

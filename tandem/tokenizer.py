@@ -57,11 +57,14 @@ class IncrementalDecoder:
         return text
 
 
+_LEADS = ((2, 0b110), (3, 0b1110), (4, 0b11110))  # (sequence length, lead-byte prefix)
+
+
 def _incomplete_tail(buf: bytearray) -> int:
     """Length of a trailing, possibly valid but unfinished UTF-8 sequence (0..3)."""
     for back in range(1, min(4, len(buf)) + 1):
         b = buf[-back]
         if b & 0xC0 != 0x80:  # a lead byte (or ASCII)
-            need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+            need = next((n for n, lead in _LEADS if b >> (7 - n) == lead), 1)
             return back if need > back else 0
     return 0

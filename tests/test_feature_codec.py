@@ -42,7 +42,8 @@ def test_feature_proto_round_trip(data: str | None) -> None:
     f = MultiModalFeatureSpec("h" * 64, "image", PlaceholderRange(7, 16), payload)
     wire = worker_pb2.Feature.FromString(feature_to_proto(f).SerializeToString())
     back = feature_from_proto(wire)
-    assert (back.identifier, back.modality, back.mm_position) == ("h" * 64, "image", PlaceholderRange(7, 16))
+    assert (back.identifier, back.modality) == ("h" * 64, "image")
+    assert back.mm_position == PlaceholderRange(7, 16)
     if data == "item":
         _assert_same(back.data, payload)  # type: ignore[arg-type]
     else:

@@ -177,18 +177,23 @@ class Segment:
         """Mark the segment dead for readers still mapping it (writer shutdown)."""
         self._words[H_GENERATION] = 0
 
+    def is_current_file(self) -> bool:
+        """Whether the file at `path` is still the one this process mapped."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self._identity
+
     def check_current(self) -> None:
         """SegmentMismatch unless this mapping is still the writer's live segment at `path`."""
         if self._closed:
             raise SegmentMismatch(f"segment {self.path} is closed in this process")
         if self.header_generation() != self.geometry.generation:
             raise SegmentMismatch(f"segment {self.path} was retired: its writer shut down")
-        try:
-            stat = os.stat(self.path)
-        except FileNotFoundError as exc:
-            raise SegmentMismatch(f"segment {self.path} was removed: its writer is gone") from exc
-        if (stat.st_dev, stat.st_ino) != self._identity:
-            raise SegmentMismatch(f"segment {self.path} was re-created by a new writer; re-attach")
+        if not self.is_current_file():
+            raise SegmentMismatch(
+                f"segment {self.path} was removed or re-created by a new writer; re-attach")
 
     def check_descriptor(self, desc: ShmDescriptor) -> None:
         """StaleDescriptor unless `desc` names a live chunk of this segment; reads only."""
@@ -211,16 +216,19 @@ class Segment:
             raise StaleDescriptor(f"no live object matches {desc}: evicted and reused, or forged")
 
     def close(self, unlink: bool) -> None:
-        """Unmap (and, for the writer, unlink). Idempotent."""
+        """Unmap and, for the writer, unlink the file unless a newer writer replaced it.
+
+        Idempotent. Raises BufferError (nothing closed) while a payload view is still alive.
+        """
         if self._closed:
             return
-        self._closed = True
+        if unlink and self.is_current_file():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         self._words.release()
         self._bytes.release()
         self._mmap.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self._closed = True
 
 
 def _preallocate(fd: int, total: int, directory: str) -> None:

@@ -425,6 +425,13 @@ class ShmReader:
     def generation(self) -> int:
         return self._segment.geometry.generation
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
     def get(self, desc: ShmDescriptor) -> bytes:
         """Validate, copy the object out, then acknowledge `desc.refs` in this slot."""
         with self._lock:

@@ -1,0 +1,43 @@
+"""Scheduler settings (flags and ``TANDEM_*`` variables map onto these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits; a request over any of them gets INVALID_ARGUMENT."""
+
+    max_prompt_tokens: int = 4096  # after image placeholders are expanded
+    max_images: int = 8
+    max_image_bytes: int = 20 * 2**20  # encoded size
+    max_image_pixels: int = 4096 * 4096  # decoded size, before resizing (bomb guard)
+    max_tokens: int = 1024  # largest max_tokens a client may ask for
+    default_max_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    model: str = "tiny"
+    listen: str = "localhost:50051"
+    shm_dir: str = ""
+    mm_cache: str = "shm"  # shm | lru | none
+    mm_cache_size: int = 256 * 2**20
+    mm_cache_max_object_size: int = 64 * 2**20
+    shm_group_mode: bool = False
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    worker_addresses: tuple[str, ...] = ()
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    encoder_cache_embeds: int = 4096  # worker encoder-cache capacity, in embeddings
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448
+    step_timeout_s: float = 60.0
+    metrics_port: int = 0
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_addresses)
