@@ -1,0 +1,264 @@
+"""The scheduler's engine: one asyncio task that steps the workers while there is work.
+
+Requests enter through :meth:`Engine.generate`, which yields their step outputs; the loop
+in :meth:`Engine._run` schedules, sends the step to every worker, and routes what they
+sampled back to each request's queue. All scheduling state is touched only on the event
+loop's thread; image decoding runs in a thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.encoder_cache import EncoderCacheManager
+from scheduler_svc.image_processor import ImageProcessorConfig
+from scheduler_svc.input_processor import InputProcessor
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.request import Request, StepOutput
+from scheduler_svc.scheduler import Scheduler, SchedulerLimits
+from scheduler_svc.step_message import build_step_request, mark_delivered
+from scheduler_svc.worker_client import StepFailed, WorkerPool
+from tandem.errors import InvalidInput, Unavailable
+from tandem.features import MultiModalKwargsItem
+from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
+from tandem.shm import ShmDescriptor
+from tandem.v1 import generate_pb2
+
+log = logging.getLogger(__name__)
+
+_DESCRIBE_TIMEOUT_S = 30.0
+_RECONNECT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    uses_mrope: bool
+    patch_size: int
+    merge_size: int
+    num_kv_blocks: int
+    block_size: int
+    max_seq_len: int  # positions the model supports: prompt + outputs must fit
+
+
+class Engine:
+    """Owns the scheduler, the processor cache and the worker pool.
+
+    ``on_serving(bool)`` is called whenever the cell starts or stops being able to serve
+    (all workers described / a worker lost), so health can follow.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache: ProcessorCache, workers: WorkerPool,
+                 on_serving: Callable[[bool], None] = lambda _: None) -> None:
+        self.config = config
+        self.cache = cache
+        self.workers = workers
+        self._on_serving = on_serving
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="image")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._step_id = 0
+        self.serving = False
+        self.model: ModelInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.inputs: InputProcessor | None = None
+
+    async def start(self) -> None:
+        """Describe the workers, size the caches from them, start the loop."""
+        self.model = _model_info(await self.workers.describe(_DESCRIBE_TIMEOUT_S))
+        if self.model.block_size != self.config.block_size:
+            raise RuntimeError(f"workers use block size {self.model.block_size}, the scheduler "
+                               f"{self.config.block_size}: configure both the same")
+        self._reset_state()
+        c = self.config
+        images = ImageProcessorConfig(
+            patch_size=self.model.patch_size, merge_size=self.model.merge_size,
+            min_pixels=c.min_pixels, max_pixels=c.max_pixels,
+            max_image_bytes=c.limits.max_image_bytes, max_image_pixels=c.limits.max_image_pixels)
+        max_tokens = min(self.model.num_kv_blocks * c.block_size, self.model.max_seq_len)
+        self.inputs = InputProcessor(c.limits, images, max_tokens)
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._set_serving(True)
+
+    def _reset_state(self) -> None:
+        """Fresh KV and encoder bookkeeping: the workers' caches are empty (start, restart)."""
+        assert self.model is not None
+        c = self.config
+        kv = KVCacheManager(self.model.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens,
+                                 c.max_num_batched_tokens)
+        self.scheduler = Scheduler(limits, kv, EncoderCacheManager(c.encoder_cache_embeds),
+                                   self._redeliver)
+
+    async def generate(
+        self, msg: generate_pb2.GenerateRequest
+    ) -> AsyncIterator[tuple[Request, StepOutput]]:
+        """Validate and enqueue ``msg``; yield (request, output) per step until it finishes.
+
+        Leaving the iteration early (the client cancelled or its deadline passed) aborts
+        the request and releases everything it holds.
+        """
+        if not self.serving or self.inputs is None or self.scheduler is None:
+            raise Unavailable("the cell is not serving: its workers are not ready")
+        request = await self.inputs.to_request(msg, self.cache, self._offload)
+        if request.request_id in self.scheduler.requests:
+            self._release_undelivered(request)
+            raise InvalidInput(f"request_id {request.request_id!r} is already in use",
+                               "DUPLICATE_REQUEST_ID")
+        self.scheduler.add_request(request)
+        self._wake.set()
+        try:
+            while True:
+                out = await request.outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield request, out
+                if out.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            if not request.is_finished:
+                self.abort(request)
+
+    def abort(self, request: Request, reason: int = generate_pb2.FINISH_REASON_ABORT) -> None:
+        """Stop a request: blocks, encoder entries and undelivered SHM references freed."""
+        assert self.scheduler is not None
+        self._release_undelivered(request)
+        self.scheduler.finish(request, reason)
+        self._wake.set()
+
+    def _release_undelivered(self, request: Request) -> None:
+        if request.undelivered:
+            for f in request.features:
+                self.cache.release(f.data)
+            request.undelivered = False
+
+    def _redeliver(self, request: Request) -> None:
+        """Fresh data for a preempted request whose SHM references were spent.
+
+        Re-processing (when the object was evicted) runs inline: preemption is rare and the
+        scheduler must hand a complete request to this step.
+        """
+        assert self.inputs is not None
+        if not any(isinstance(f.data, ShmDescriptor) for f in request.features):
+            return
+        with self.cache.pinned([f.identifier for f in request.features]):
+            for i, (f, media) in enumerate(zip(request.features, request.media, strict=True)):
+                data = self.cache.lookup(f.identifier)
+                if data is None:
+                    data = self.cache.store(f.identifier, self.inputs.process(media))
+                request.features[i] = replace(f, data=data)
+        request.undelivered = True
+
+    async def _offload(self, fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            if not self.serving or self.scheduler is None or not self.scheduler.has_work:
+                self._wake.clear()
+                continue
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                self._wake.clear()
+                await asyncio.sleep(0.01)  # nothing fits now; retry after others change
+                self._wake.set()
+                continue
+            await self._step(out)
+
+    async def _step(self, out) -> None:
+        assert self.scheduler is not None and self.model is not None
+        self._step_id += 1
+        segment, generation = self._segment()
+        msg = build_step_request(out, self._step_id, segment, generation, self.model.uses_mrope)
+        mark_delivered(out)
+        try:
+            result = await self.workers.step(msg, self.config.step_timeout_s)
+        except StepFailed as exc:
+            self._worker_failed(exc)
+            return
+        for request, output in self.scheduler.update(out, result.sampled):
+            request.outputs.put_nowait(output)
+
+    def _segment(self) -> tuple[str, int]:
+        if isinstance(self.cache, ShmProcessorCache):
+            return SEGMENT_FILE, self.cache.writer.generation
+        return "", 0
+
+    def _worker_failed(self, exc: StepFailed) -> None:
+        """Fail every request with UNAVAILABLE, forget worker state, wait for the workers."""
+        assert self.scheduler is not None
+        log.error("worker lost (%s): failing in-flight requests", exc)
+        self._set_serving(False)
+        error = Unavailable(f"worker {exc.rank} failed; retry the request")
+        for request in list(self.scheduler.requests.values()):
+            self.abort(request)
+            request.outputs.put_nowait(error)
+        if isinstance(self.cache, ShmProcessorCache):
+            # The lost worker will never acknowledge what it was sent.
+            self.cache.writer.reset_reader_slot(exc.rank)
+        self._reset_state()
+        asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        while True:
+            try:
+                await self.workers.describe(_RECONNECT_TIMEOUT_S)
+            except Unavailable:
+                await asyncio.sleep(0.2)
+                continue
+            log.info("workers are back; serving again")
+            self._set_serving(True)
+            return
+
+    def _set_serving(self, serving: bool) -> None:
+        self.serving = serving
+        self._on_serving(serving)
+        self._wake.set()
+
+    def cache_stats(self) -> generate_pb2.CacheStatsResponse:
+        counters = self.cache.counters()
+        msg = generate_pb2.CacheStatsResponse(
+            mm_cache_type=self.cache.kind, mm_cache_hits_total=counters.hits,
+            mm_cache_misses_total=counters.misses)
+        if isinstance(self.cache, ShmProcessorCache):
+            s = self.cache.writer.stats()
+            msg.shm_capacity_bytes, msg.shm_used_bytes = s.capacity, s.used_bytes
+            msg.shm_objects, msg.shm_unacked_refs = s.objects, s.unacked_refs
+        if self.scheduler is not None:
+            kv = self.scheduler.kv
+            msg.prefix_cache_blocks = kv.prefix_cache_blocks
+            msg.prefix_cache_hit_tokens_total = kv.prefix_cache_hit_tokens
+            msg.kv_blocks_total, msg.kv_blocks_free = kv.pool.num_blocks, kv.num_free_blocks
+        return msg
+
+    async def stop(self) -> None:
+        """Abort everything in flight, stop the loop, release the pool (not the cache)."""
+        self._set_serving(False)
+        if self.scheduler is not None:
+            for request in list(self.scheduler.requests.values()):
+                self.abort(request)
+                request.outputs.put_nowait(Unavailable("the server is shutting down"))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _model_info(describes) -> ModelInfo:
+    first = describes[0]
+    cfg = json.loads(first.model_config_json)
+    ranks = sorted(d.rank for d in describes)
+    if ranks != list(range(len(describes))):
+        raise RuntimeError(f"worker ranks {ranks} are not 0..{len(describes) - 1}")
+    return ModelInfo(
+        name=first.model, uses_mrope=cfg.get("position_scheme") == "mrope",
+        patch_size=int(cfg.get("patch_size", 14)), merge_size=int(cfg.get("merge_size", 2)),
+        num_kv_blocks=min(d.num_kv_blocks for d in describes), block_size=first.block_size,
+        max_seq_len=int(cfg.get("max_seq_len", 1 << 30)))

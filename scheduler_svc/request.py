@@ -1,0 +1,100 @@
+"""A request as the scheduler tracks it, from arrival to its last streamed message."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
+from tandem.features import MultiModalFeatureSpec
+from tandem.v1 import generate_pb2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # never scheduled, or preempted and waiting to start over
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Validated sampling settings (the public message after defaults and checks)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+    def to_proto(self) -> generate_pb2.SamplingParams:
+        msg = generate_pb2.SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, stop_token_ids=sorted(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request (becomes one GenerateResponse)."""
+
+    token_ids: list[int]
+    finish_reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state of one Generate call.
+
+    ``features`` keep their full data for the request's life (the worker-bound copy is
+    stripped, never this one). ``undelivered`` is True while ``features`` hold SHM
+    references that no worker has received: they must be delivered or released, never
+    dropped. ``media`` are the client's images, kept so a preempted request whose SHM
+    objects were evicted can be processed again.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt (placeholders expanded) then outputs
+    num_prompt_tokens: int
+    features: list[MultiModalFeatureSpec]
+    sampling: Sampling
+    cache_salt: str
+    media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
+    mm_cache_hits: int = 0
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix hit of the first scheduling; -1 = not yet scheduled
+    encoder_runs: int = 0
+    preemptions: int = 0
+    undelivered: bool = False
+    finish_reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+    arrival: float = field(default_factory=time.monotonic)
+    outputs: asyncio.Queue[StepOutput | BaseException] = field(
+        default_factory=asyncio.Queue, repr=False
+    )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the chained hashes over blocks that prompt or outputs have filled."""
+        self.block_hashes.extend(request_block_hashes(
+            self.token_ids, self.features, block_size, self.cache_salt, known=self.block_hashes
+        ))

@@ -1,0 +1,277 @@
+"""The scheduling loop's pure part: which tokens of which requests run in the next step.
+
+Continuous batching under a token budget: running requests first (decodes and unfinished
+prefills), then waiting ones in arrival order, each prompt chunked to what the budget and
+the KV pool allow. Images are scheduled for the encoder only when their span lies beyond
+the computed prefix and they are not already in the workers' encoder cache. When blocks
+run out, the most recently arrived running request is preempted by recompute.
+
+Nothing here does I/O: :meth:`Scheduler.schedule` returns a :class:`SchedulerOutput`, the
+engine sends it to the workers, and :meth:`Scheduler.update` applies what they sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_svc.encoder_cache import EncoderCacheManager
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.request import Request, Status, StepOutput
+from tandem import tokenizer
+from tandem.v1 import generate_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_num_encoder_tokens: int  # encoder compute budget per step, in embeddings
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request sent to the workers in full: first schedule, or again after preemption."""
+
+    request: Request
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step. Invariant: ``num_scheduled_tokens`` has exactly the new and cached ids."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # id -> feature indices
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens and not self.finished_request_ids
+
+    def validate(self) -> None:
+        ids = [n.request.request_id for n in self.new_requests]
+        ids += [c.request_id for c in self.cached_requests]
+        assert len(set(ids)) == len(ids), "a request is both new and cached"
+        assert set(ids) == set(self.num_scheduled_tokens), "scheduled tokens != requests"
+        assert set(self.encoder_inputs) <= set(ids), "encoder inputs of unscheduled requests"
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and their KV and encoder-cache holdings.
+
+    ``redeliver(request)`` is called before a request whose SHM references were spent
+    (it ran before and was preempted) is sent to the workers again: it must give the
+    request's features fresh data (a new reference, or the re-processed item).
+    """
+
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, encoder: EncoderCacheManager,
+                 redeliver: Callable[[Request], None]) -> None:
+        self.limits = limits
+        self.kv = kv
+        self.encoder = encoder
+        self._redeliver = redeliver
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # to tell the workers in the next step
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_ids)
+
+    def add_request(self, request: Request) -> None:
+        request.update_block_hashes(self.kv.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: int) -> None:
+        """Stop ``request`` (finished, aborted, or failed) and free what it holds."""
+        if request.is_finished:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._finished_ids.append(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
+        self.encoder.free(request.request_id)
+        del self.requests[request.request_id]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.limits.max_num_batched_tokens
+        encoder_budget = self.limits.max_num_encoder_tokens
+        preempted = False
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n, enc, encoder_budget = self._schedule_encoder(request, n, encoder_budget)
+            if n == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, out)
+            if new_blocks is None:
+                preempted = True
+                continue
+            preempted |= request.status is not Status.RUNNING
+            self._commit(request, n, enc, out)
+            out.cached_requests.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            budget -= n
+        if not preempted:
+            budget, encoder_budget = self._schedule_waiting(out, budget, encoder_budget)
+        out.free_encoder_mm_hashes = self.encoder.get_freed_mm_hashes()
+        out.validate()
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
+                          encoder_budget: int) -> tuple[int, int]:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_computed = self.kv.get_computed_blocks(request.block_hashes,
+                                                             request.num_tokens)
+            n = min(request.num_tokens - num_computed, budget)
+            request.num_computed_tokens = num_computed
+            n, enc, new_budget = self._schedule_encoder(request, n, encoder_budget)
+            blocks = None if n == 0 else self.kv.allocate_slots(
+                request.request_id, n, 0, hits)
+            if blocks is None:
+                request.num_computed_tokens = 0
+                break
+            encoder_budget = new_budget
+            self.waiting.popleft()
+            if not request.undelivered:
+                self._redeliver(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = Status.RUNNING
+            self.running.append(request)
+            self._commit(request, n, enc, out)
+            out.new_requests.append(NewRequestData(
+                request, self.kv.get_block_ids(request.request_id), num_computed))
+            budget -= n
+        return budget, encoder_budget
+
+    def _commit(self, request: Request, n: int, enc: list[int], out: SchedulerOutput) -> None:
+        for i in enc:
+            f = request.features[i]
+            self.encoder.allocate(request.request_id, f.identifier, f.mm_position.length)
+        request.encoder_runs += len(enc)
+        out.num_scheduled_tokens[request.request_id] = n
+        if enc:
+            out.encoder_inputs[request.request_id] = enc
+
+    def _schedule_encoder(self, request: Request, n: int,
+                          budget: int) -> tuple[int, list[int], int]:
+        """Encoder inputs needed to compute tokens ``[computed, computed + n)``.
+
+        Returns the possibly reduced token count, the feature indices to encode and the
+        budget left. An image that does not fit stops the chunk right before it; one that
+        is already partly computed must be encoded whole, so then nothing is scheduled.
+        """
+        computed = request.num_computed_tokens
+        scheduled: list[int] = []
+        planned = 0
+        for i, f in enumerate(request.features):
+            start = f.mm_position.offset
+            if start >= computed + n:
+                break
+            if f.is_covered(computed):
+                continue  # the same predicate strip uses: covered items never encode
+            if f.identifier in self.encoder or any(
+                    request.features[j].identifier == f.identifier for j in scheduled):
+                self.encoder.check_and_update_cache(request.request_id, f.identifier)
+                continue
+            length = f.mm_position.length
+            if not self.encoder.can_allocate(length, budget - planned, planned):
+                n = start - computed if start > computed else 0
+                break
+            scheduled.append(i)
+            planned += length
+        return n, scheduled, budget - planned
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput):
+        """Blocks for ``n`` more tokens of a running request, preempting others if needed."""
+        while True:
+            blocks = self.kv.allocate_slots(request.request_id, n, request.num_computed_tokens)
+            if blocks is not None:
+                return blocks
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        log.info("preempting request %s (recompute)", request.request_id)
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        self.encoder.free(request.request_id)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        request.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.finished_request_ids.append(request.request_id)
+        out.num_scheduled_tokens.pop(request.request_id, None)
+        out.encoder_inputs.pop(request.request_id, None)
+        out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]
+
+    def update(self, out: SchedulerOutput,
+               sampled: dict[str, list[int]]) -> list[tuple[Request, StepOutput]]:
+        """Apply a finished step: advance computed tokens, append samples, check stops."""
+        results: list[tuple[Request, StepOutput]] = []
+        for request_id, n in out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += n
+            for f in request.features:
+                if f.is_covered(request.num_computed_tokens):
+                    self.encoder.free_encoder_input(request_id, f.identifier)
+            new = sampled.get(request_id, [])
+            if not new:
+                self.kv.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)
+                continue
+            new, reason = _apply_stop(request, new)
+            request.token_ids.extend(new)
+            request.update_block_hashes(self.kv.block_size)
+            self.kv.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)
+            if reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                self.finish(request, reason)
+            results.append((request, StepOutput(new, reason)))
+        return results
+
+
+def _apply_stop(request: Request, new: list[int]) -> tuple[list[int], int]:
+    """Truncate ``new`` at the first stop condition; the finish reason (or UNSPECIFIED)."""
+    s = request.sampling
+    for i, token in enumerate(new):
+        if (token == tokenizer.EOS_ID and not s.ignore_eos) or token in s.stop_token_ids:
+            return new[: i + 1], generate_pb2.FINISH_REASON_STOP
+        if request.num_output_tokens + i + 1 >= s.max_tokens:
+            return new[: i + 1], generate_pb2.FINISH_REASON_LENGTH
+    return new, generate_pb2.FINISH_REASON_UNSPECIFIED

@@ -1,0 +1,117 @@
+"""The scheduler process: processor cache, worker pool, engine and the public gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.servicer import GenerationServicer
+from scheduler_svc.worker_client import WorkerPool
+from tandem.errors import ErrorMappingInterceptor
+from tandem.processor_cache import (
+    LruProcessorCache,
+    ProcessorCache,
+    ShmProcessorCache,
+)
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class SchedulerServer:
+    server: grpc.aio.Server
+    port: int
+    engine: Engine
+    cache: ProcessorCache
+    workers: WorkerPool
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
+        ``grace``) -> abort the rest -> close worker channels -> unlink the segment."""
+        await self.health.enter_graceful_shutdown()
+        stopping = self.server.stop(grace)
+        await self.engine.stop()
+        await stopping
+        await self.workers.close()
+        self.cache.close()
+
+
+def make_cache(config: SchedulerConfig) -> ProcessorCache:
+    if config.mm_cache == "shm":
+        shm_dir = Path(config.shm_dir)
+        shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return ShmProcessorCache(shm_dir, config.mm_cache_size, config.num_workers,
+                                 config.mm_cache_max_object_size,
+                                 mode=0o640 if config.shm_group_mode else 0o600)
+    if config.mm_cache == "lru":
+        return LruProcessorCache(config.mm_cache_size)
+    if config.mm_cache == "none":
+        return ProcessorCache()
+    raise ValueError(f"unknown --mm-cache {config.mm_cache!r}: use shm, lru or none")
+
+
+async def create_server(config: SchedulerConfig) -> SchedulerServer:
+    """Start everything; returns once the workers are described and Generate is served."""
+    cache = make_cache(config)
+    workers = WorkerPool(list(config.worker_addresses))
+    health_servicer = health.aio.HealthServicer()
+
+    def on_serving(serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        asyncio.get_running_loop().create_task(health_servicer.set(SERVICE_NAME, status))
+
+    engine = Engine(config, cache, workers, on_serving)
+    limits = config.limits
+    max_message = limits.max_images * limits.max_image_bytes + (1 << 20)
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.max_receive_message_length", max_message),
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(config.listen)
+    await server.start()
+    try:
+        await engine.start()
+    except BaseException:
+        await server.stop(0)
+        await workers.close()
+        cache.close()
+        raise
+    log.info("scheduler serving %s on port %d (%d workers, cache %s)", SERVICE_NAME, port,
+             config.num_workers, cache.kind)
+    return SchedulerServer(server, port, engine, cache, workers, health_servicer)
+
+
+async def serve(config: SchedulerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then shut down in order (see SchedulerServer.stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await create_server(config)
+    print(f"tandem scheduler listening on {config.listen} (pid {os.getpid()})", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await running.stop()

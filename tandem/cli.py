@@ -1,0 +1,229 @@
+"""The ``tandem`` command: run the services, talk to them, export the model.
+
+Every service setting is a flag whose default comes from a ``TANDEM_*`` variable (see
+docs/configuration.md). Only this module may start both services (``tandem serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tandem import __version__
+from tandem.sizes import parse_size
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TANDEM_{name}", default)
+
+
+def _bool_env(name: str, default: bool) -> bool:
+    raw = os.environ.get(f"TANDEM_{name}")
+    return default if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _add_common(p: argparse.ArgumentParser, shm_default: str) -> None:
+    p.add_argument("--model", default=_env("MODEL", "tiny"),
+                   help="preset (tiny, tiny-mrope, small, small-mrope) or model directory")
+    p.add_argument("--shm-dir", default=_env("SHM_DIR", shm_default),
+                   help="directory shared by the cell's scheduler and workers")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=_env("LISTEN", "localhost:50051"))
+    p.add_argument("--mm-cache", choices=("shm", "lru", "none"), default=_env("MM_CACHE", "shm"))
+    p.add_argument("--mm-cache-size", type=parse_size, default=_env("MM_CACHE_SIZE", "256Mi"))
+    p.add_argument("--mm-cache-max-object-size", type=parse_size,
+                   default=_env("MM_CACHE_MAX_OBJECT_SIZE", "64Mi"))
+    p.add_argument("--shm-group-mode", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("SHM_GROUP_MODE", False))
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("ENABLE_PREFIX_CACHING", True))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "16")))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=_env("DEVICE", "auto"))
+    p.add_argument("--kv-cache-size", type=parse_size, default=_env("KV_CACHE_SIZE", "256Mi"))
+    p.add_argument("--gpu-memory-fraction", type=float,
+                   default=float(_env("GPU_MEMORY_FRACTION", "0.8")))
+
+
+def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
+    from scheduler_svc.config import SchedulerConfig
+
+    return SchedulerConfig(
+        model=args.model, listen=args.listen, shm_dir=args.shm_dir, mm_cache=args.mm_cache,
+        mm_cache_size=args.mm_cache_size, mm_cache_max_object_size=args.mm_cache_max_object_size,
+        shm_group_mode=args.shm_group_mode, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size, worker_addresses=tuple(addresses),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        metrics_port=args.metrics_port)
+
+
+def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = ""):
+    from worker_svc.config import WorkerConfig
+
+    return WorkerConfig(
+        model=args.model, shm_dir=args.shm_dir, rank=rank, world_size=world_size,
+        worker_listen=listen, device=args.device, block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
+        metrics_port=0 if not args.metrics_port else args.metrics_port + 1 + rank)
+
+
+def worker_address(shm_dir: str, rank: int) -> str:
+    return f"unix://{Path(shm_dir).absolute()}/worker-{rank}.sock"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The embedded local pair: N worker processes plus the scheduler in this process."""
+    import multiprocessing
+
+    from scheduler_svc.server import serve as serve_scheduler
+
+    shm_dir = Path(args.shm_dir)
+    shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
+    procs = [ctx.Process(target=_run_worker, args=(_worker_config(args, r, args.workers),),
+                         name=f"tandem-worker-{r}") for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    try:
+        addresses = [worker_address(args.shm_dir, r) for r in range(args.workers)]
+        asyncio.run(serve_scheduler(_scheduler_config(args, addresses)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _stop_processes(procs)
+        if args.remove_shm_dir:
+            shutil.rmtree(shm_dir, ignore_errors=True)
+    return 0
+
+
+def _run_worker(config) -> None:
+    from worker_svc.server import serve
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-{config.rank} %(name)s "
+                        "%(levelname)s %(message)s")
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
+    serve(config)
+
+
+def _stop_processes(procs: list, timeout: float = 10.0) -> None:
+    """terminate -> join with a timeout -> kill."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.server import serve
+
+    addresses = ([a.strip() for a in args.worker_addresses.split(",") if a.strip()]
+                 if args.worker_addresses
+                 else [worker_address(args.shm_dir, r) for r in range(args.workers)])
+    asyncio.run(serve(_scheduler_config(args, addresses)))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker_svc.server import serve
+
+    serve(_worker_config(args, args.rank, args.workers, args.worker_listen))
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from tandem_operator.main import run
+
+    return run(args.kopf_args)
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    from worker_svc.checkpoint import export_model
+
+    export_model(args.model, args.out)
+    print(f"wrote {args.model} to {args.out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tandem.client import add_client_commands
+
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(metavar="COMMAND")
+    instance = _env("INSTANCE", f"local-{os.getpid()}")
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str):
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("serve", cmd_serve, "run a local scheduler + worker pair sharing a segment")
+    _add_common(p, f"/dev/shm/tandem/{instance}")
+    _add_scheduler_flags(p)
+    _add_worker_flags(p)
+    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
+    p.add_argument("--remove-shm-dir", action=argparse.BooleanOptionalAction, default=True,
+                   help="remove the shared directory on exit")
+
+    p = add("scheduler", cmd_scheduler, "run the scheduler alone (connects to its workers)")
+    _add_common(p, f"/dev/shm/tandem/{instance}")
+    _add_scheduler_flags(p)
+    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
+    p.add_argument("--worker-addresses", default=_env("WORKER_ADDRESSES", ""),
+                   help="comma-separated worker targets in rank order")
+
+    p = add("worker", cmd_worker, "run one worker alone")
+    _add_common(p, f"/dev/shm/tandem/{instance}")
+    _add_worker_flags(p)
+    p.add_argument("--rank", type=int, default=int(_env("WORKER_RANK", "0")))
+    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
+    p.add_argument("--worker-listen", default=_env("WORKER_LISTEN", ""))
+
+    p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
+    p.add_argument("kopf_args", nargs=argparse.REMAINDER, help="extra arguments for kopf run")
+
+    p = add("export-model", cmd_export_model, "write built-in weights as safetensors")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("out", help="output directory")
+
+    add_client_commands(sub, DEFAULT_TARGET)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Client commands: ``tandem generate`` streams one request, ``tandem stats`` shows caches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+
+def add_client_commands(sub: argparse._SubParsersAction, default_target: str) -> None:
+    p = sub.add_parser("generate", help="stream one Generate call and print usage")
+    p.add_argument("prompt", help='prompt text; each "<image>" takes the next --image')
+    p.add_argument("--image", action="append", default=[], type=Path, help="PNG or JPEG file")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--cache-salt", default="")
+    p.add_argument("--target", default=default_target)
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("stats", help="show the cell's cache counters")
+    p.add_argument("--target", default=default_target)
+    p.set_defaults(func=cmd_stats)
+
+
+def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+    prompt = args.prompt
+    if args.image and "<image>" not in prompt:
+        prompt = "<image>" * len(args.image) + prompt  # images first when not placed
+    msg = generate_pb2.GenerateRequest(prompt=prompt, cache_salt=args.cache_salt)
+    for path in args.image:
+        msg.images.add(encoded=path.read_bytes())
+    msg.sampling.temperature = args.temperature
+    if args.max_tokens is not None:
+        msg.sampling.max_tokens = args.max_tokens
+    if args.seed is not None:
+        msg.sampling.seed = args.seed
+    return msg
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    request = build_request(args)
+    with grpc.insecure_channel(args.target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        start = time.monotonic()
+        ttft = None
+        last = None
+        try:
+            for msg in stub.Generate(request, timeout=args.timeout):
+                if ttft is None and msg.token_ids:
+                    ttft = time.monotonic() - start
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                last = msg
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        total = time.monotonic() - start
+    print()
+    if last is not None and last.HasField("usage"):
+        u = last.usage
+        reason = generate_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_")
+        print(f"[{reason.lower()}] prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} "
+              f"cached), {u.completion_tokens} generated; images {u.mm_items} "
+              f"({u.mm_cache_hits} cache hits, {u.encoder_runs} encoded)", file=sys.stderr)
+    print(f"ttft {1000 * (ttft or total):.1f} ms, total {1000 * total:.1f} ms", file=sys.stderr)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        try:
+            stats = stub.CacheStats(generate_pb2.CacheStatsRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: generate_pb2.CacheStatsResponse) -> str:
+    rows = [(field.name, getattr(stats, field.name)) for field in stats.DESCRIPTOR.fields]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
