@@ -1,0 +1,82 @@
+"""Builds one step's ``ModelInputs`` from the scheduled requests.
+
+For a request with ``c`` computed tokens and ``n`` scheduled ones::
+
+    tokens   0 ............ c ........... c+n ...... len(token_ids)
+             |  in the cache | this step    | known, later steps
+             |<--------- kv_index: context read through the block table --->|(up to c+n)
+                             |<- slots -->| K/V written here
+
+Query i (position c + i) sees keys 0..c+i. Its logits are kept only when c + n reaches
+the end of the known tokens (the prompt is complete, or a decode step), and then only for
+the last row. Rows of placeholder tokens take their embeddings from the encoder cache:
+row (p - offset) of the image's output for placeholder p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from worker_svc.encoder_cache import EncoderCache
+from worker_svc.model import ModelInputs, SequenceSlice
+from worker_svc.request_state import RequestState
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    inputs: ModelInputs
+    sampling: list[RequestState]  # requests with a logits row, in ``logits_index`` order
+
+
+def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: EncoderCache,
+                block_size: int, device: torch.device) -> StepBatch:
+    """Flatten ``(state, num_scheduled_tokens)`` pairs into the model's inputs."""
+    tokens: list[int] = []
+    positions, slots, mm_index, mm_embeds = [], [], [], []
+    seqs, logits_index, sampling = [], [], []
+    for state, n in scheduled:
+        c, q_start = state.num_computed_tokens, len(tokens)
+        tokens.extend(state.token_ids[c:c + n])
+        positions.append(state.positions_between(c, c + n))
+        slots.append(state.slots(c, c + n, block_size))
+        for f in state.features:
+            lo, hi = max(c, f.mm_position.offset), min(c + n, f.mm_position.end)
+            if lo < hi:
+                rows = encoder_cache.get(f.identifier)[lo - f.mm_position.offset:
+                                                       hi - f.mm_position.offset]
+                mm_embeds.append(rows)
+                mm_index.append(torch.arange(q_start + lo - c, q_start + hi - c))
+        seqs.append(SequenceSlice(
+            q_start=q_start, q_end=q_start + n,
+            kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
+            mask=_causal_mask(c, n, device),
+        ))
+        if c + n == state.num_tokens:
+            logits_index.append(q_start + n - 1)
+            sampling.append(state)
+    dim = encoder_cache.dim
+    inputs = ModelInputs(
+        tokens=torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
+        positions=torch.cat(positions, dim=1).to(device, non_blocking=True),
+        slot_mapping=torch.cat(slots).to(device, non_blocking=True),
+        seqs=seqs,
+        mm_index=(torch.cat(mm_index) if mm_index else torch.empty(0, dtype=torch.int64)).to(
+            device, non_blocking=True),
+        mm_embeds=(torch.cat(mm_embeds) if mm_embeds
+                   else torch.empty(0, dim, device=device, dtype=encoder_cache.dtype)),
+        logits_index=torch.tensor(logits_index, dtype=torch.int64).to(device, non_blocking=True),
+    )
+    return StepBatch(inputs, sampling)
+
+
+def _causal_mask(num_computed: int, n: int, device: torch.device) -> Tensor | None:
+    """(n, c+n) bool, True where key j <= query position c + i; None for a single query."""
+    if n == 1:
+        return None
+    q_pos = torch.arange(num_computed, num_computed + n, device=device)[:, None]  # (n, 1)
+    k_pos = torch.arange(num_computed + n, device=device)[None, :]  # (1, c+n)
+    return k_pos <= q_pos

@@ -1,0 +1,69 @@
+"""Model weights: seeded built-in presets, and the ``config.json`` + ``model.safetensors`` form.
+
+A preset is built from its config's seed, so every worker of a cell (and the reference in
+the tests) holds bit-identical weights without a file. ``export_model`` writes that form to
+disk and ``load_model`` reads it back: the modules are built on ``meta`` and the loaded
+tensors are assigned, so the weights exist in memory once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.errors import InvalidInput
+from worker_svc.model import Transformer
+from worker_svc.model_config import (
+    CONFIG_FILE,
+    PRESETS,
+    WEIGHTS_FILE,
+    ModelConfig,
+    model_config_from_name,
+)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; otherwise a torch device string."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model with its deterministic seeded weights (init runs on CPU, then moves)."""
+    model = Transformer(config)
+    model.init_weights(config.seed)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """A preset by name, or the model in a directory written by :func:`export_model`."""
+    config = model_config_from_name(name_or_path)
+    if name_or_path in PRESETS:
+        return build_model(config, device, dtype)
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = load_file(str(Path(name_or_path) / WEIGHTS_FILE), device=str(device))
+    try:
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    except RuntimeError as exc:  # missing/unexpected keys or shape mismatches
+        raise InvalidInput(f"weights in {name_or_path!r} do not match its config: {exc}",
+                           reason="BAD_CHECKPOINT") from exc
+    return model.eval().requires_grad_(False)
+
+
+def export_model(name: str, out_dir: str | Path) -> Path:
+    """Write ``name`` (a preset or a model directory) as config.json + model.safetensors."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(name, torch.device("cpu"), torch.float32)
+    (out / CONFIG_FILE).write_text(model.config.to_json() + "\n")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,60 @@
+"""Pieces shared by the decoder and the vision tower: RMSNorm and multi-axis rotary positions.
+
+Rotary positions here always have several components (C, T): the decoder passes (t, h, w)
+(M-RoPE, Qwen2-VL style; plain RoPE passes three equal rows), the vision tower passes
+(row, col). Each frequency pair of a head is driven by one component, chosen by a
+``pair_component`` index vector built from the section sizes. cos/sin stay real pairs (no
+complex dtype) and the table is built once, in the model's ``setup_caches``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_table(n_pairs: int, max_pos: int, theta: float, device: torch.device) -> Tensor:
+    """cos/sin of every (position, pair): (max_pos, n_pairs, 2), float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(n_pairs, dtype=torch.float64) / n_pairs)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # (S, P)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+
+
+def pair_components(sections: tuple[int, ...], device: torch.device) -> Tensor:
+    """Position component driving each frequency pair, e.g. (2, 1, 1) -> [0, 0, 1, 2]."""
+    return torch.repeat_interleave(
+        torch.arange(len(sections), device=device), torch.tensor(sections, device=device)
+    )
+
+
+def rotary_for_positions(table: Tensor, positions: Tensor, components: Tensor) -> Tensor:
+    """cos/sin for each token: positions (C, T) -> (T, n_pairs, 2)."""
+    # No range asserts here: they would sync with the device. The runner checks positions
+    # against max_seq_len on the host before building the batch.
+    t = positions.shape[1]
+    per_component = table[positions]  # (C, T, P, 2)
+    index = components.view(1, 1, -1, 1).expand(1, t, -1, 2)  # (1, T, P, 2)
+    return per_component.gather(0, index).squeeze(0)  # (T, P, 2)
+
+
+def apply_rotary(x: Tensor, rot: Tensor) -> Tensor:
+    """Rotate interleaved pairs of x (T, H, D) by rot (T, D/2, 2)."""
+    t, h, d = x.shape
+    xs = x.float().reshape(t, h, d // 2, 2)  # (T, H, P, 2)
+    cos, sin = rot[:, None, :, 0], rot[:, None, :, 1]  # (T, 1, P)
+    out = torch.stack(
+        [xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1
+    )  # (T, H, P, 2)
+    return out.flatten(2).type_as(x)  # (T, H, D)

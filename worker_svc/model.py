@@ -1,0 +1,199 @@
+"""The built-in vision-language model: a Llama-style decoder over a paged KV cache.
+
+Contents, top to bottom: ``ModelInputs`` (one step's flattened batch), ``PagedKVCache``,
+``Transformer`` (token embedding, image-embedding splice, blocks, head), ``TransformerBlock``,
+``Attention`` (grouped-query, rotary, paged), ``FeedForward`` (SwiGLU). The config and its
+presets are in ``model_config.py``, RMSNorm and rotary in ``layers.py`` (shared with the
+vision tower in ``vision.py``), weights on disk in ``checkpoint.py``.
+
+A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
+the whole step at once, and only attention goes sequence by sequence, reading each
+sequence's context through its block table. NOTE: padding the batch to (B, max_q) instead
+was rejected: a step mixing one prefill chunk with decodes would pad every decode to the
+chunk's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker_svc.layers import (
+    RMSNorm,
+    apply_rotary,
+    pair_components,
+    rotary_for_positions,
+    rotary_table,
+)
+from worker_svc.model_config import ModelConfig
+from worker_svc.vision import VisionEncoder
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """Where one sequence's new tokens sit in the step and where its context lives."""
+
+    q_start: int  # first row of the step's flat token layout
+    q_end: int
+    kv_index: Tensor  # (S,) cache slots of positions 0..S-1 of the sequence (S >= q_end-q_start)
+    mask: Tensor | None  # (Q, S) bool, True = visible; None when Q == 1 (sees all S)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """One step, flattened: T tokens of one or more sequences, back to back in ``seqs`` order."""
+
+    tokens: Tensor  # (T,) int64
+    positions: Tensor  # (3, T) int64: (t, h, w) components; equal rows under plain RoPE
+    slot_mapping: Tensor  # (T,) cache slot (block * block_size + offset) each token writes
+    seqs: list[SequenceSlice]  # contiguous, in order, covering 0..T
+    mm_index: Tensor  # (M,) rows of ``tokens`` whose embedding is an image embedding
+    mm_embeds: Tensor  # (M, dim) those embeddings
+    logits_index: Tensor  # (R,) rows whose next-token logits are returned
+
+
+class PagedKVCache(nn.Module):
+    """Keys and values of one layer in fixed-size blocks.
+
+    Buffers are (num_blocks, block_size, n_kv_heads, head_dim); slot s is block
+    s // block_size, offset s % block_size. Blocks belong to the scheduler: the cache
+    never decides which slot holds what, it only writes and reads the slots it is given.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v (T, Hkv, D) at ``slots`` (T,)."""
+        assert k.shape[0] == slots.shape[0], "one slot per token"
+        self.k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    def gather(self, kv_index: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``kv_index`` (S,), each (S, Hkv, D)."""
+        h, d = self.k_cache.shape[2:]
+        return (self.k_cache.view(-1, h, d).index_select(0, kv_index),
+                self.v_cache.view(-1, h, d).index_select(0, kv_index))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = VisionEncoder(config)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.rope: Tensor | None = None
+        self.rope_components: Tensor | None = None
+        self.num_blocks, self.block_size = 0, 0
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from a CPU generator: same seed, same weights on any machine.
+
+        Variance-preserving (std 1/sqrt(fan_in), unit embeddings) rather than GPT-2's 0.02:
+        an untrained model with small weights is almost a bigram model whose greedy output
+        soon repeats one token, which would make the equivalence tests prove little.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm scales
+                p.fill_(1.0)
+            else:  # Linear (out, in) and Embedding (vocab, dim)
+                std = 1.0 if name == "tok_embeddings.weight" else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def setup_caches(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the paged KV cache and the rotary tables (the only allocation point)."""
+        if (num_blocks, block_size) == (self.num_blocks, self.block_size):
+            return
+        c = self.config
+        device, dtype = self.output.weight.device, self.output.weight.dtype
+        for layer in self.layers:
+            layer.attention.kv_cache = PagedKVCache(
+                num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype).to(device)
+        self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device)
+        self.rope_components = pair_components(c.mrope_section, device)
+        self.visual.setup_caches(device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def encode_image(self, pixel_values: Tensor, grid_h: int, grid_w: int) -> Tensor:
+        """(h*w, C*P*P) patches -> (h*w/4, dim) embeddings, one per placeholder token."""
+        return self.visual(pixel_values.to(self.output.weight.dtype), grid_h, grid_w)
+
+    def forward(self, inputs: ModelInputs) -> Tensor:
+        """Next-token logits (R, vocab) in float32 for ``inputs.logits_index``."""
+        assert self.rope is not None and self.rope_components is not None, "call setup_caches"
+        h = self.tok_embeddings(inputs.tokens)  # (T, dim)
+        h = h.index_copy(0, inputs.mm_index, inputs.mm_embeds.to(h.dtype))
+        rot = rotary_for_positions(self.rope, inputs.positions, self.rope_components)
+        for layer in self.layers:
+            h = layer(h, rot, inputs)
+        return self.output(self.norm(h[inputs.logits_index])).float()  # (R, vocab)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rot, inputs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads, config.n_kv_heads, config.head_dim)
+        self.q_size, self.kv_size = config.dim, config.n_kv_heads * config.head_dim
+        self.wqkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.kv_cache: PagedKVCache | None = None
+
+    def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
+        assert self.kv_cache is not None, "call setup_caches"
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.n_heads, self.head_dim), rot)  # (T, H, D)
+        k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), rot)  # (T, Hkv, D)
+        v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
+        self.kv_cache.update(inputs.slot_mapping, k, v)
+        out = torch.cat([self._attend(q[s.q_start:s.q_end], s) for s in inputs.seqs])
+        return self.wo(out.view(t, -1))  # (T, dim)
+
+    def _attend(self, q: Tensor, seq: SequenceSlice) -> Tensor:
+        """One sequence: q (Q, H, D) against its whole context read through the block table."""
+        assert self.kv_cache is not None
+        k, v = self.kv_cache.gather(seq.kv_index)  # (S, Hkv, D)
+        rep = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, S, D)
+        v = v.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, S, D)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask)
+        return out.transpose(0, 1)  # (Q, H, D)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

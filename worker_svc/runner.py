@@ -1,0 +1,253 @@
+"""Applies one scheduler step: resolve features, encode, forward, sample.
+
+The servicer hands every Step here (in a worker thread); this module owns the worker's
+request states, encoder cache and the model's KV cache contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import FailedPrecondition, InvalidInput
+from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
+from tandem.receiver_cache import ShmReceiverCache
+from tandem.shm import ShmDescriptor
+from worker_svc.batch import build_batch
+from worker_svc.encoder_cache import EncoderCache
+from worker_svc.model import Transformer
+from worker_svc.request_state import (
+    IMAGE_GRID_THW,
+    PIXEL_VALUES,
+    RequestState,
+    new_request_state,
+)
+from worker_svc.sampler import exponential_noise, sample, token_seed
+from worker_svc.step import NewRequestData, StepInput, StepOutput
+
+
+@dataclass(frozen=True)
+class _Scheduled:
+    """What validation needs of one scheduled request: tokens [start, end) this step."""
+
+    features: list[MultiModalFeatureSpec]
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class StepRunner:
+    """The worker's side of the scheduler protocol, one step at a time.
+
+    Why a separate class: the servicer stays a thin adapter, and tests and the benchmark
+    drive steps without a server.
+
+    A step is checked whole before anything changes (ids, counts, block ids, encoder
+    inputs and outputs, then the resolved features), so a rejected step leaves the states,
+    the encoder cache and the KV cache as they were. The one effect that survives a step
+    rejected after its features were resolved is the acknowledgement of its address items:
+    a descriptor counts as delivered once this worker has read it.
+
+    Invariants: every held request satisfies ``RequestState.check_invariants`` for the
+    cache geometry; the encoder cache satisfies its own. Only ``step`` mutates
+    ``requests`` and ``encoder_cache``.
+    """
+
+    def __init__(self, model: Transformer, receiver: ShmReceiverCache | None,
+                 debug_invariants: bool = False) -> None:
+        assert model.num_blocks > 0, "call model.setup_caches before building a runner"
+        self.model = model
+        self.config = model.config
+        self.device = model.output.weight.device
+        self.receiver = receiver
+        self.debug_invariants = debug_invariants
+        self.requests: dict[str, RequestState] = {}
+        self.encoder_cache = EncoderCache(self.config.dim, self.device, model.output.weight.dtype)
+
+    @torch.inference_mode()
+    def step(self, step: StepInput) -> StepOutput:
+        self._validate(step)
+        new_states, resolved, acked = self._admit(step)
+        self._check_encoder_payloads(step, new_states)
+        # Commit point: nothing below raises for a step that passed the checks above.
+        for rid in step.finished_request_ids:
+            self.requests.pop(rid, None)
+        self.encoder_cache.free(step.free_encoder_mm_hashes)
+        self.requests.update(new_states)
+        for r in step.cached_requests:
+            self.requests[r.request_id].block_ids.extend(r.new_block_ids)
+        runs = self._run_encoder(step)
+        sampled = self._forward_and_sample(step)
+        if self.debug_invariants:
+            self.check_invariants()
+        return StepOutput(step.step_id, sampled, resolved, acked, runs)
+
+    def _validate(self, step: StepInput) -> None:
+        finished = set(step.finished_request_ids)
+        live = self.requests.keys() - finished
+        ids = [r.request_id for r in step.new_requests] + [
+            r.request_id for r in step.cached_requests]
+        if len(set(ids)) != len(ids) or set(ids) != step.num_scheduled_tokens.keys():
+            raise InvalidInput("num_scheduled_tokens must name each new and cached request "
+                               "exactly once", reason="SCHEDULED_MISMATCH")
+        scheduled: dict[str, _Scheduled] = {}
+        for r in step.new_requests:
+            if r.request_id in live:
+                raise InvalidInput(f"request {r.request_id} is already running",
+                                   reason="DUPLICATE_REQUEST")
+            self._validate_new(r)
+            n = step.num_scheduled_tokens[r.request_id]
+            self._validate_range(r.request_id, r.num_computed_tokens, len(r.token_ids),
+                                 r.block_ids, n)
+            scheduled[r.request_id] = _Scheduled(r.features, r.num_computed_tokens, n)
+        for c in step.cached_requests:
+            state = self.requests.get(c.request_id) if c.request_id in live else None
+            if state is None:
+                raise FailedPrecondition(f"unknown request {c.request_id}",
+                                         reason="UNKNOWN_REQUEST")
+            if c.num_computed_tokens != state.num_computed_tokens:
+                raise FailedPrecondition(
+                    f"request {c.request_id}: scheduler counts {c.num_computed_tokens} computed "
+                    f"tokens, the worker {state.num_computed_tokens}", reason="COMPUTED_MISMATCH")
+            n = step.num_scheduled_tokens[c.request_id]
+            self._validate_range(c.request_id, state.num_computed_tokens, state.num_tokens,
+                                 state.block_ids + c.new_block_ids, n)
+            scheduled[c.request_id] = _Scheduled(state.features, state.num_computed_tokens, n)
+        self._validate_encoder_inputs(step, scheduled)
+
+    def _validate_new(self, r: NewRequestData) -> None:
+        n = len(r.token_ids)
+        if n == 0 or not r.num_prompt_tokens <= n or any(
+                t >= self.config.vocab_size for t in r.token_ids):
+            raise InvalidInput(f"request {r.request_id}: empty prompt, prompt count over the "
+                               "tokens, or a token outside the vocabulary", reason="BAD_TOKENS")
+        ends = 0
+        for f in r.features:
+            if f.mm_position.offset < ends or f.mm_position.end > n or f.mm_position.length <= 0:
+                raise InvalidInput(f"request {r.request_id}: features must be sorted, disjoint "
+                                   "and inside the prompt", reason="BAD_FEATURES")
+            ends = f.mm_position.end
+
+    def _validate_range(self, rid: str, computed: int, known: int, block_ids: list[int],
+                        scheduled: int) -> None:
+        end = computed + scheduled
+        if scheduled <= 0 or end > known or end > self.config.max_seq_len:
+            raise InvalidInput(f"request {rid}: {scheduled} tokens scheduled after {computed} "
+                               f"computed, of {known} known (max {self.config.max_seq_len})",
+                               reason="BAD_TOKEN_RANGE")
+        if any(not 0 <= b < self.model.num_blocks for b in block_ids):
+            raise InvalidInput(f"request {rid}: block id out of range "
+                               f"[0, {self.model.num_blocks})", reason="BLOCK_OUT_OF_RANGE")
+        if len(block_ids) * self.model.block_size < end:
+            raise InvalidInput(f"request {rid}: {len(block_ids)} blocks cannot hold {end} "
+                               "tokens", reason="BLOCK_TABLE_SHORT")
+
+    def _validate_encoder_inputs(self, step: StepInput,
+                                 scheduled: dict[str, _Scheduled]) -> None:
+        """Encoder inputs name present payloads; every placeholder this step has embeddings."""
+        available = self.encoder_cache.entries.keys() - set(step.free_encoder_mm_hashes)
+        for rid, indices in step.scheduled_encoder_inputs.items():
+            feats = scheduled[rid].features if rid in scheduled else []
+            if rid not in scheduled or any(not 0 <= i < len(feats) for i in indices):
+                raise InvalidInput(f"encoder inputs for {rid} name no scheduled feature",
+                                   reason="BAD_ENCODER_INPUT")
+            for i in indices:
+                if feats[i].data is None:
+                    raise InvalidInput(f"request {rid}: feature {i} is scheduled for the "
+                                       "encoder but carries no data",
+                                       reason="MISSING_ENCODER_INPUT")
+                available = available | {feats[i].identifier}
+        for rid, s in scheduled.items():
+            for f in s.features:
+                overlaps = f.mm_position.offset < s.end and s.start < f.mm_position.end
+                if overlaps and f.identifier not in available:
+                    raise FailedPrecondition(f"request {rid}: no encoder output for feature "
+                                             f"{f.identifier} and none scheduled",
+                                             reason="ENCODER_OUTPUT_MISSING")
+
+    def _admit(self, step: StepInput) -> tuple[dict[str, RequestState], int, int]:
+        """Resolve the new requests' features through the receiver cache (this acknowledges
+        their address items) and build their states."""
+        if step.segment_name or any(isinstance(f.data, ShmDescriptor)
+                                    for r in step.new_requests for f in r.features):
+            if self.receiver is None:
+                raise FailedPrecondition("address items received but this worker has no "
+                                         "shared directory", reason="SHM_NOT_ATTACHED")
+            self.receiver.ensure_segment(step.segment_name, step.segment_generation)
+        states, resolved, acked = {}, 0, 0
+        for r in step.new_requests:
+            features = r.features
+            if self.receiver is not None:
+                res = self.receiver.resolve(r.features, r.num_computed_tokens,
+                                            self.config.uses_mrope)
+                features, resolved, acked = res.features, resolved + res.resolved, acked + res.acked
+            states[r.request_id] = new_request_state(r, features, self.config)
+        return states, resolved, acked
+
+    def _check_encoder_payloads(self, step: StepInput,
+                                new_states: dict[str, RequestState]) -> None:
+        for rid, indices in step.scheduled_encoder_inputs.items():
+            state = new_states.get(rid) or self.requests[rid]
+            for i in indices:
+                data = state.features[i].data
+                if not isinstance(data, MultiModalKwargsItem) or not {
+                        PIXEL_VALUES, IMAGE_GRID_THW} <= data.keys():
+                    raise InvalidInput(f"request {rid}: feature {i} is scheduled for the "
+                                       f"encoder without {PIXEL_VALUES} and {IMAGE_GRID_THW}",
+                                       reason="MISSING_ENCODER_INPUT")
+
+    def _run_encoder(self, step: StepInput) -> int:
+        runs = 0
+        for rid, indices in step.scheduled_encoder_inputs.items():
+            for i in indices:
+                f = self.requests[rid].features[i]
+                if f.identifier in self.encoder_cache:  # same image, encoded earlier
+                    continue
+                assert isinstance(f.data, MultiModalKwargsItem)
+                _, h, w = (int(x) for x in f.data[IMAGE_GRID_THW].data[0])
+                pixels = f.data[PIXEL_VALUES].data.to(self.device, non_blocking=True)
+                self.encoder_cache.put(f.identifier, self.model.encode_image(pixels, h, w))
+                runs += 1
+        return runs
+
+    def _forward_and_sample(self, step: StepInput) -> dict[str, list[int]]:
+        order = [r.request_id for r in step.new_requests] + [
+            r.request_id for r in step.cached_requests]
+        scheduled = [(self.requests[rid], step.num_scheduled_tokens[rid]) for rid in order]
+        if not scheduled:  # a step that only releases state
+            return {}
+        batch = build_batch(scheduled, self.encoder_cache, self.model.block_size, self.device)
+        logits = self.model(batch.inputs)
+        tokens = self._sample(logits, batch.sampling)
+        for state, n in scheduled:
+            state.num_computed_tokens += n
+        for state, token in zip(batch.sampling, tokens, strict=True):
+            state.token_ids.append(token)
+        for state, _ in scheduled:
+            state.drop_covered_payloads()
+        return {s.request_id: [t] for s, t in zip(batch.sampling, tokens, strict=True)}
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> list[int]:
+        if not states:
+            return []
+        dev = logits.device
+        params = [s.sampling for s in states]
+        noise = exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
+                                  logits.shape[-1], dev)
+        tokens = sample(
+            logits,
+            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            top_k=torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], device=dev),
+            noise=noise,
+        )
+        return tokens.tolist()  # the step's one host sync
+
+    def check_invariants(self) -> None:
+        for state in self.requests.values():
+            state.check_invariants(self.model.block_size, self.model.num_blocks)
+        self.encoder_cache.check_invariants()

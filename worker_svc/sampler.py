@@ -1,0 +1,71 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+
+Pure functions over a batch of rows, vectorised over per-row parameters, with no host
+sync (the caller reads the tokens once, to answer the step). A categorical draw is
+``argmax(probs / E)`` with ``E ~ Exp(1)`` per entry, which picks token i with probability
+probs[i]. The noise of output token i of a request comes from a generator seeded with
+``mix(seed, i)``, so the same seed gives the same tokens even when a request is preempted
+and resumed, or replayed by another worker of the cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi: spreads consecutive indices over the seed space
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for_request(request_id: str) -> int:
+    """Seed of a request that brought none: derived from its id, so every rank agrees."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    return (seed + (output_index + 1) * _GOLDEN) & _MASK64
+
+
+def exponential_noise(seeds: Sequence[int], vocab: int, device: torch.device) -> Tensor:
+    """(R, vocab) Exp(1) draws, row r from a generator seeded with ``seeds[r]``."""
+    rows = []
+    for seed in seeds:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        rows.append(torch.empty(vocab, device=device).exponential_(generator=gen))
+    return torch.stack(rows) if rows else torch.empty(0, vocab, device=device)
+
+
+def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Set logits outside each row's top-k and nucleus (top-p) to -inf.
+
+    logits (R, V); top_k (R,) int64, <= 0 disables; top_p (R,) in (0, 1], 1 disables. The
+    most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R, V)
+    rank = torch.arange(vocab, device=logits.device)  # (V,)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # (R,)
+    drop = rank[None, :] >= k[:, None]  # (R, V)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # (R, V)
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # 1: rounding-proof off
+    drop[:, 0] = False
+    filtered = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, filtered)
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+           noise: Tensor) -> Tensor:
+    """Next tokens (R,) int64. Rows with temperature 0 are greedy (argmax of the logits).
+
+    logits (R, V) float32; temperature, top_p (R,) float32; top_k (R,) int64; noise (R, V)
+    from :func:`exponential_noise` (ignored for greedy rows).
+    """
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # (R, V)
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
