@@ -139,15 +139,6 @@ class FreeBlockQueue:
         )
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since start, in prompt tokens (one query per lookup)."""
-
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-
-
 class BlockPool:
     """All KV blocks, the free queue and the prefix-hash map.
 
@@ -171,7 +162,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         # Prefix-hash map: hash -> the one block registered under it.
         self._cached: dict[BlockHash, KVCacheBlock] = {}
-        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:

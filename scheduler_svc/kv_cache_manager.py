@@ -10,11 +10,21 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.prefix_hash import HASH_SEED, BlockHash
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since start, in prompt tokens (one query per lookup)."""
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -39,6 +49,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
         if enable_caching:
             log.info(
                 "prefix caching on: sha256 block hashes seeded with %r, %d tokens per block",
@@ -66,11 +77,11 @@ class KVCacheManager:
 
     @property
     def prefix_cache_query_tokens(self) -> int:
-        return self.pool.stats.query_tokens
+        return self.stats.query_tokens
 
     @property
     def prefix_cache_hit_tokens(self) -> int:
-        return self.pool.stats.hit_tokens
+        return self.stats.hit_tokens
 
     def get_computed_blocks(
         self, request_hashes: Sequence[BlockHash], num_tokens: int
@@ -96,10 +107,9 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        stats = self.pool.stats
-        stats.queries += 1
-        stats.query_tokens += num_tokens
-        stats.hit_tokens += num_hit_tokens
+        self.stats.queries += 1
+        self.stats.query_tokens += num_tokens
+        self.stats.hit_tokens += num_hit_tokens
         return hits, num_hit_tokens
 
     def allocate_slots(
@@ -159,7 +169,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        table = self._tables[request_id]
+        table = self._tables.get(request_id)
+        assert table is not None, f"cache_blocks for request {request_id!r} holding no blocks"
         num_full = num_computed_tokens // self.block_size
         assert num_full <= len(table), (
             f"request {request_id!r}: {num_full} computed blocks but {len(table)} allocated"
