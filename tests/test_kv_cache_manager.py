@@ -107,6 +107,19 @@ def test_mm_prefix_hit_needs_the_same_images() -> None:
     assert num_hit == 16, "a different second image breaks the chain at its first block"
 
 
+def test_image_ending_in_the_last_prompt_block_is_never_covered_by_a_hit() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=16)
+    # The image ends the prompt (so it ends in the last block), or a text block follows.
+    for end_text in (0, 3):
+        tokens = [1] * 16 + [IMAGE_ID] * 16 + [2] * end_text
+        features = [_feature(f"img{end_text}", 16, 16)]
+        _prefill(kv, f"a{end_text}", tokens, features=features)
+        _, num_hit = _prefill(kv, f"b{end_text}", tokens, features=features)
+        assert num_hit == (16 if end_text == 0 else 32)
+        assert features[0].is_covered(num_hit) == (end_text > 0)
+        assert num_hit < len(tokens)
+
+
 def test_salt_isolates_tenants() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(20))
