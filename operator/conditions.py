@@ -1,0 +1,178 @@
+"""Observed state of a TandemService's cells and the status conditions folded from it.
+
+Pure functions over the operator's pod index: the timer calls them every few seconds and
+writes the result to `status`, so `status` is level-based (recomputed from what exists), not a
+log of what the handlers did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem_operator.manifests import CELL_LABEL, COMPONENT_LABEL, CONFIG_HASH, segment_path
+from tandem_operator.placement import Cell, format_bytes
+from tandem_operator.spec import TandemSpec
+
+FOLDED = ("PlacementReady", "Colocated", "CacheReady", "SchedulerReady", "WorkersReady")
+"""`Ready` is True when all of these are; else it carries the reason of the first false one."""
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """A Tandem pod as the operator's index holds it."""
+
+    name: str
+    component: str
+    cell: int
+    node: str  # "" while unscheduled
+    ready: bool
+    config_hash: str
+    deleting: bool
+
+
+def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
+    meta, status = body["metadata"], body.get("status") or {}
+    labels = meta.get("labels") or {}
+    component = labels.get(COMPONENT_LABEL, "")
+    if component not in ("scheduler", "worker") or not labels.get(CELL_LABEL, "").isdigit():
+        return None  # cleanup Jobs' pods are not part of a cell
+    return PodInfo(
+        name=meta["name"],
+        component=component,
+        cell=int(labels[CELL_LABEL]),
+        node=(body.get("spec") or {}).get("nodeName") or "",
+        ready=any(c.get("type") == "Ready" and c.get("status") == "True"
+                  for c in status.get("conditions") or ()),
+        config_hash=(meta.get("annotations") or {}).get(CONFIG_HASH, ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+@dataclass(frozen=True)
+class CellObservation:
+    """What one cell's pods look like now, against the cell's placement and config."""
+
+    scheduler_ready: bool
+    workers_ready: int
+    workers_total: int
+    misplaced: tuple[PodInfo, ...]  # pods scheduled on another node than the cell's
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler_ready and self.workers_ready == self.workers_total
+
+
+def observe_cell(spec: TandemSpec, cell: Cell, config_hash: str,
+                 pods: Iterable[PodInfo]) -> CellObservation:
+    """Count ready pods that run the current config; pods of an older config are rolling."""
+    mine = [p for p in pods if p.cell == cell.index and not p.deleting]
+    current = [p for p in mine if p.ready and p.config_hash == config_hash]
+    return CellObservation(
+        scheduler_ready=any(p.component == "scheduler" for p in current),
+        workers_ready=sum(1 for p in current if p.component == "worker"),
+        workers_total=spec.worker.workers_per_cell,
+        misplaced=tuple(p for p in mine if cell.node and p.node and p.node != cell.node),
+    )
+
+
+def cell_status(spec: TandemSpec, cell: Cell, config_hash: str,
+                obs: CellObservation | None) -> dict[str, Any]:
+    """One `status.cells[]` entry."""
+    state = ("Unplaced" if not cell.node else "Misplaced" if obs and obs.misplaced
+             else "Ready" if obs and obs.ready else "Starting")
+    return {
+        "index": cell.index,
+        "nodeName": cell.node,
+        "segmentPath": segment_path(spec, cell) if cell.node else "",
+        "segmentBytes": cell.cache_bytes,
+        "requestedBytes": cell.requested_bytes,
+        "segmentGeneration": cell.generation,
+        "configHash": config_hash,
+        "schedulerReady": bool(obs and obs.scheduler_ready),
+        "workersReady": obs.workers_ready if obs else 0,
+        "workersTotal": spec.worker.workers_per_cell,
+        "state": state,
+    }
+
+
+Verdict = tuple[str, str, str]  # (status "True"/"False", reason, message)
+
+
+def placement_verdict(cells: Sequence[Cell], rejected: Mapping[int, str]) -> Verdict:
+    unplaced = [c for c in cells if not c.node]
+    if unplaced:
+        return "False", "NoFittingNode", "; ".join(f"cell {c.index}: {c.reason}" for c in unplaced)
+    if rejected:
+        return "False", "PodSecurityRejected", "; ".join(
+            f"cell {i}: {msg}" for i, msg in sorted(rejected.items()))
+    return "True", "Placed", ", ".join(f"cell {c.index} on {c.node}" for c in cells)
+
+
+def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:
+    if spec.cache_bytes_requested == 0:
+        return "True", "Disabled", f"featureCache.type={spec.cache.type}, size {spec.cache.size}"
+    if any(not c.node for c in cells):
+        return "False", "NotSized", "a cell has no node to size its cache on"
+    sizes = ", ".join(f"cell {c.index}: {format_bytes(c.cache_bytes)}" for c in cells)
+    if any(c.cache_bytes < c.requested_bytes for c in cells):
+        return ("True", "SizeReduced", f"{sizes} of {format_bytes(spec.cache_bytes_requested)} "
+                f"requested (capped at {spec.cache.max_node_memory_percent}% of node memory)")
+    return "True", "Sized", sizes
+
+
+def _ready_verdict(what: str, ready: int, total: int, reason: str) -> Verdict:
+    if ready == total:
+        return "True", "Ready", f"{ready}/{total} {what} ready"
+    return "False", reason, f"{ready}/{total} {what} ready on the current config"
+
+
+def fold_verdicts(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, CellObservation],
+                  rejected: Mapping[int, str]) -> dict[str, Verdict]:
+    """Every condition but Ready, in FOLDED order."""
+    misplaced = [p for o in obs.values() for p in o.misplaced]
+    return {
+        "PlacementReady": placement_verdict(cells, rejected),
+        "Colocated": ("False", "NotColocated", "; ".join(
+            f"{p.component} pod {p.name} of cell {p.cell} runs on {p.node}" for p in misplaced))
+        if misplaced else ("True", "Colocated", "every pod runs on its cell's node"),
+        "CacheReady": cache_verdict(spec, cells),
+        "SchedulerReady": _ready_verdict(
+            "schedulers", sum(o.scheduler_ready for o in obs.values()), len(cells),
+            "SchedulersNotReady"),
+        "WorkersReady": _ready_verdict(
+            "workers", sum(o.workers_ready for o in obs.values()),
+            len(cells) * spec.worker.workers_per_cell, "WorkersNotReady"),
+    }
+
+
+def ready_verdict(verdicts: Mapping[str, Verdict]) -> Verdict:
+    """Fold: the first false condition in FOLDED order decides Ready's reason and message."""
+    for kind in FOLDED:
+        status, reason, message = verdicts[kind]
+        if status != "True":
+            return "False", reason, message
+    return "True", "Ready", verdicts["PlacementReady"][2]
+
+
+def render_conditions(verdicts: Mapping[str, Verdict], previous: Iterable[Mapping[str, Any]],
+                      now: str, generation: int) -> list[dict[str, Any]]:
+    """Conditions with Ready first; lastTransitionTime moves only when a status changes."""
+    old = {c.get("type"): c for c in previous}
+    out = []
+    for kind, (status, reason, message) in {"Ready": ready_verdict(verdicts), **verdicts}.items():
+        before = old.get(kind) or {}
+        since = before.get("lastTransitionTime") if before.get("status") == status else None
+        out.append({"type": kind, "status": status, "reason": reason, "message": message[:1024],
+                    "lastTransitionTime": since or now, "observedGeneration": generation})
+    return out
+
+
+def invalid_spec_conditions(message: str, previous: Iterable[Mapping[str, Any]], now: str,
+                            generation: int) -> list[dict[str, Any]]:
+    """A spec this operator cannot serve: Ready and PlacementReady say why; nothing else is
+    known, so the other conditions are Unknown."""
+    verdicts: dict[str, Verdict] = {k: ("Unknown", "InvalidSpec", message) for k in FOLDED}
+    verdicts["PlacementReady"] = ("False", "InvalidSpec", message)
+    return render_conditions(verdicts, previous, now, generation)

@@ -1,0 +1,225 @@
+"""The kopf handlers: one decorator, one small function, each a guard and a delegation.
+
+- resume/create/update(spec) `reconcile`: place the cells, then one sub-handler per cell
+  (`cell-<i>`, rolled one at a time), `services` and `prune` (scale-down).
+- timer `observe`: repair colocation and publish the level-based status.
+- delete `cleanup`: a finalizer that removes the cells' segment directories with Jobs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from tandem_operator.conditions import PodInfo, invalid_spec_conditions, pod_info
+from tandem_operator.kube import KubeApi
+from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, NodeInfo, PodLoad
+from tandem_operator.placement import node_info as parse_node
+from tandem_operator.placement import pod_load as parse_pod_load
+from tandem_operator.reconcile import (
+    apply_cell,
+    apply_services,
+    cleanup_segments,
+    loads_of,
+    nodes_of,
+    place,
+    prune_cells,
+    repair,
+    retry_delay,
+    roll_blocker,
+    service_state,
+    status_payload,
+)
+from tandem_operator.spec import GROUP, PLURAL, VERSION, SpecError, TandemSpec, parse_spec
+from tandem_operator.tracing import handler_span
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+PodIndex = kopf.Index[tuple[str, str], PodInfo]
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Operator-wide knobs from the environment (see docs/operator.md)."""
+
+    resync_seconds: float = 10.0  # TANDEM_OPERATOR_RESYNC_SECONDS: the observe timer's period
+    cleanup_timeout_seconds: float = 600.0  # TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
+        return cls(float(env.get("TANDEM_OPERATOR_RESYNC_SECONDS", cls.resync_seconds)),
+                   float(env.get("TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS",
+                                 cls.cleanup_timeout_seconds)))
+
+
+# NOTE: read at import because kopf's decorators take the timer period; the rejected
+# alternative, registering handlers from a function, would hide them from `kopf run -m`.
+CONFIG = OperatorConfig.from_env()
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Keep kopf's bookkeeping under tandem.dev and bound every watch request."""
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.watching.server_timeout = 300  # the apiserver ends each watch after 5 min
+    settings.watching.client_timeout = 330  # and we give up on a stuck one shortly after
+    settings.watching.connect_timeout = 30
+    settings.watching.reconnect_backoff = 1
+    settings.posting.reporting_component = "tandem-operator"
+    if settings.peering.name == "default":  # no --peering given: run alone (one replica)
+        settings.peering.standalone = True
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def changed_status(status: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the keys that differ: unchanged status is never re-written (no watch events)."""
+    return {k: v for k, v in payload.items() if status.get(k) != v}
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    memo["kube"] = KubeApi.from_environment()
+
+
+@kopf.on.cleanup()
+async def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    memo["kube"].close()
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
+    return {name: parse_node(body)}
+
+
+@kopf.index("", "v1", "pods")
+def pod_load_index(body: kopf.Body, **_: Any) -> dict[str, PodLoad] | None:
+    load = parse_pod_load(body)
+    return {load.node: load} if load else None
+
+
+@kopf.index("", "v1", "pods", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+def tandem_pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body,
+                     **_: Any) -> dict[tuple[str, str], PodInfo] | None:
+    info = pod_info(body)
+    return {(namespace, labels.get(INSTANCE_LABEL, "")): info} if info else None
+
+
+def parse_or_report(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status,
+                    meta: kopf.Meta, patch: kopf.Patch) -> TandemSpec:
+    """The parsed spec; an unservable one is written to the conditions, then PermanentError."""
+    try:
+        return parse_spec(name, namespace, spec)
+    except SpecError as e:
+        patch.status["conditions"] = invalid_spec_conditions(
+            str(e), status.get("conditions") or (), now(), meta.get("generation", 0))
+        raise kopf.PermanentError(str(e)) from e
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+async def reconcile(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status,
+                    meta: kopf.Meta, memo: kopf.Memo, patch: kopf.Patch,
+                    node_index: kopf.Index[str, NodeInfo], pod_load_index: kopf.Index[str, PodLoad],
+                    tandem_pod_index: PodIndex, **_: Any) -> None:
+    """Place the cells, then apply each cell, the Services and the scale-down as sub-handlers."""
+    with handler_span("reconcile", namespace, name):
+        tsvc = parse_or_report(name, namespace, spec, status, meta, patch)
+        state = service_state(memo, status)
+        await place(state, tsvc, nodes_of(node_index), loads_of(pod_load_index))
+        for cell in state.cells:
+            step = functools.partial(apply_cell_handler, cell.index)
+            kopf.register(step, id=f"cell-{cell.index}")
+        kopf.register(services_handler, id="services")
+        kopf.register(prune_handler, id="prune")
+        pods = list(tandem_pod_index.get((namespace, name), []))
+        payload = status_payload(tsvc, state, pods, status, now(), meta["generation"])
+        patch.status.update(changed_status(status, payload))
+        patch.status["observedGeneration"] = meta["generation"]
+
+
+async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.Spec,
+                             body: kopf.Body, memo: kopf.Memo, retry: int,
+                             tandem_pod_index: PodIndex, **_: Any) -> None:
+    """Sub-handler `cell-<i>`: wait for a node and for the cells before it, then apply."""
+    tsvc, state = parse_spec(name, namespace, spec), memo["tandem_state"]
+    if index >= len(state.cells):
+        return  # scaled down meanwhile; prune removes it
+    cell = state.cells[index]
+    if not cell.node:
+        raise kopf.TemporaryError(f"cell {index}: {cell.reason}", delay=retry_delay(retry))
+    blocker = roll_blocker(tsvc, state.cells, index, list(tandem_pod_index.get((namespace, name),
+                                                                               [])))
+    if blocker:
+        raise kopf.TemporaryError(blocker, delay=2)
+    await apply_cell(memo["kube"], body, tsvc, state, cell)
+
+
+async def services_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
+                           memo: kopf.Memo, **_: Any) -> None:
+    await apply_services(memo["kube"], body, parse_spec(name, namespace, spec))
+
+
+async def prune_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
+                        memo: kopf.Memo, node_index: kopf.Index[str, NodeInfo], **_: Any) -> None:
+    tsvc = parse_spec(name, namespace, spec)
+    for index in await prune_cells(memo["kube"], body, tsvc, nodes_of(node_index)):
+        kopf.info(body, reason="CellRemoved", message=f"cell {index} removed (scale-down)")
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds, idle=CONFIG.resync_seconds / 2)
+async def observe(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status,
+                  meta: kopf.Meta, body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch,
+                  node_index: kopf.Index[str, NodeInfo], pod_load_index: kopf.Index[str, PodLoad],
+                  tandem_pod_index: PodIndex, **_: Any) -> None:
+    """Level-based pass: repair colocation, then publish status recomputed from the pods."""
+    with handler_span("observe", namespace, name):
+        try:
+            tsvc = parse_spec(name, namespace, spec)
+        except SpecError as e:
+            conditions = invalid_spec_conditions(str(e), status.get("conditions") or (), now(),
+                                                 meta["generation"])
+            patch.status.update(changed_status(status, {"conditions": conditions}))
+            return
+        state = service_state(memo, status)
+        pods = list(tandem_pod_index.get((namespace, name), []))
+        nodes = nodes_of(node_index)
+        for message in await repair(memo["kube"], body, tsvc, state, nodes,
+                                    loads_of(pod_load_index), pods):
+            kopf.warn(body, reason="CellRepaired", message=message)
+        payload = status_payload(tsvc, state, pods, status, now(), meta["generation"])
+        patch.status.update(changed_status(status, payload))
+
+
+@kopf.on.delete(*RESOURCE)
+async def cleanup(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status,
+                  body: kopf.Body, memo: kopf.Memo, retry: int, runtime: datetime.timedelta,
+                  node_index: kopf.Index[str, NodeInfo], **_: Any) -> None:
+    """Finalizer: remove every cell's directory from its node, then let the object go.
+
+    Never blocks for good: cells on vanished nodes are skipped, and after the cleanup timeout
+    the remaining Jobs are abandoned with a warning Event.
+    """
+    with handler_span("cleanup", namespace, name):
+        try:
+            tsvc = parse_spec(name, namespace, spec)
+        except SpecError:
+            return  # an unservable spec never placed anything
+        cells = service_state(memo, status).cells
+        pending, skipped = await cleanup_segments(memo["kube"], body, tsvc, cells,
+                                                  nodes_of(node_index))
+        if skipped and retry == 0:
+            kopf.warn(body, reason="CleanupSkipped", message="; ".join(skipped))
+        if pending and runtime.total_seconds() < CONFIG.cleanup_timeout_seconds:
+            raise kopf.TemporaryError(f"waiting for {', '.join(pending)}", delay=2)
+        if pending:
+            kopf.warn(body, reason="CleanupTimedOut", message=f"abandoned {', '.join(pending)}")

@@ -1,0 +1,182 @@
+"""Pure builders for a TandemService's children other than the workloads: names, labels, the
+per-cell config, the Services and the cleanup Job. No API calls, no globals: the handlers
+adopt what these return and apply it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, Cell
+from tandem_operator.spec import TandemSpec
+
+SHM_MOUNT = "/var/run/tandem"
+CELL_MOUNT = "/var/run/tandem-cell"
+SCHEDULER_METRICS_PORT = 9400
+WORKER_METRICS_PORT = 9401
+WORKER_PORT = 50061
+CONFIG_HASH = "tandem.dev/config-hash"
+GENERATION = "tandem.dev/segment-generation"
+NODE = "tandem.dev/node"  # on StatefulSets: the node their cell was placed on
+CELL_LABEL = "tandem.dev/cell"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+
+
+def child_name(spec: TandemSpec, cell: int, role: str) -> str:
+    """`<name>-<cell>-<role>`; the CRD caps names at 36 so StatefulSet names stay <= 52."""
+    return f"{spec.name}-{cell}-{role}"
+
+
+def service_name(spec: TandemSpec, headless: bool = False) -> str:
+    return f"{spec.name}-headless" if headless else spec.name
+
+
+def endpoint(spec: TandemSpec) -> str:
+    """The gRPC target clients use for Generate (balanced by the ClusterIP Service)."""
+    return f"dns:///{service_name(spec)}.{spec.namespace}.svc:{spec.scheduler.port}"
+
+
+def selector_labels(spec: TandemSpec, component: str, cell: int | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "tandem", INSTANCE_LABEL: spec.name,
+              COMPONENT_LABEL: component}
+    if cell is not None:
+        labels[CELL_LABEL] = str(cell)
+    return labels
+
+
+def labels(spec: TandemSpec, component: str, cell: int | None = None) -> dict[str, str]:
+    return {**selector_labels(spec, component, cell), MANAGED_BY[0]: MANAGED_BY[1]}
+
+
+def scale_selector(spec: TandemSpec) -> str:
+    """`status.selector` for the scale subresource: the schedulers, one per cell."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(spec, "scheduler").items())
+
+
+def cell_dir(spec: TandemSpec, cell: int) -> str:
+    """Host directory of a cell; its generations are subdirectories `gen-<n>`."""
+    return f"{spec.cache.host_root}/{spec.namespace}.{spec.name}.{cell}"
+
+
+def generation_dir(generation: int) -> str:
+    return f"gen-{generation}"
+
+
+def segment_path(spec: TandemSpec, cell: Cell) -> str:
+    return f"{cell_dir(spec, cell.index)}/{generation_dir(cell.generation)}"
+
+
+def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
+    """The TANDEM_* settings a cell's scheduler and workers share (docs/configuration.md).
+
+    Settings that differ between the two (listen address, metrics port, rank, service name)
+    are set on the containers instead; each component ignores the settings of the other.
+    """
+    workers = spec.worker.workers_per_cell
+    data = {
+        "TANDEM_SHM_DIR": SHM_MOUNT,
+        "TANDEM_MODEL": spec.model,
+        "TANDEM_MM_CACHE": spec.cache.type,
+        "TANDEM_MM_CACHE_SIZE": str(cell.cache_bytes),
+        "TANDEM_MM_CACHE_MAX_OBJECT_SIZE": str(spec.cache.max_object_size),
+        "TANDEM_ENABLE_PREFIX_CACHING": "true" if spec.prefix_caching else "false",
+        "TANDEM_BLOCK_SIZE": str(spec.block_size),
+        "TANDEM_WORKERS": str(workers),
+        "TANDEM_WORKER_ADDRESSES": ",".join(
+            f"unix://{SHM_MOUNT}/worker-{rank}.sock" for rank in range(workers)),
+        "TANDEM_DEVICE": spec.worker.device,
+        "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
+                                     f"tandem.service={spec.name},tandem.cell={cell.index}"),
+    }
+    if spec.tracing.endpoint:
+        data |= {"OTEL_EXPORTER_OTLP_ENDPOINT": spec.tracing.endpoint,
+                 "OTEL_TRACES_SAMPLER": spec.tracing.sampler,
+                 "OTEL_TRACES_SAMPLER_ARG": spec.tracing.ratio}
+    return data
+
+
+def config_hash(data: dict[str, str]) -> str:
+    """Content hash of a cell's config; on the pod templates, so a config change rolls pods."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_configmap(spec: TandemSpec, cell: Cell) -> dict[str, Any]:
+    data = cell_config(spec, cell)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": child_name(spec, cell.index, "config"), "namespace": spec.namespace,
+                     "labels": labels(spec, "config", cell.index),
+                     "annotations": {CONFIG_HASH: config_hash(data)}},
+        "data": data,
+    }
+
+
+def build_service(spec: TandemSpec, headless: bool = False) -> dict[str, Any]:
+    """Generate across all cells' schedulers; the headless twin lists the pods themselves, for
+    clients that balance on their own (gRPC `round_robin` over `dns:///<name>-headless`)."""
+    svc_spec: dict[str, Any] = {
+        "selector": selector_labels(spec, "scheduler"),
+        "ports": [{"name": "grpc", "port": spec.scheduler.port, "targetPort": "grpc",
+                   "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
+    }
+    if headless:
+        svc_spec["clusterIP"] = "None"
+    else:
+        svc_spec["type"] = "ClusterIP"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(spec, headless), "namespace": spec.namespace,
+                     "labels": labels(spec, "scheduler")},
+        "spec": svc_spec,
+    }
+
+
+def build_cleanup_job(spec: TandemSpec, cell: int, node: str, generation: int | None = None,
+                      ) -> dict[str, Any]:
+    """A Job on `node` that removes a cell's directory, or one old generation of it.
+
+    Owner references cannot remove host files, so deletion and re-placement run this. It is
+    pinned with nodeName (no scheduling, so it runs even on a full node) and tolerates every
+    taint; a dead node makes it fail by activeDeadlineSeconds, which the operator accepts.
+    """
+    target = cell_dir(spec, cell).removeprefix(spec.cache.host_root).lstrip("/")
+    role = "cleanup"
+    if generation is not None:
+        target, role = f"{target}/{generation_dir(generation)}", f"cleanup-g{generation}"
+    meta_labels = labels(spec, "cleanup", cell)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": child_name(spec, cell, role), "namespace": spec.namespace,
+                     "labels": meta_labels},
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": 300,
+            "ttlSecondsAfterFinished": 600,
+            "template": {
+                "metadata": {"labels": meta_labels},
+                "spec": {
+                    "nodeName": node,
+                    "restartPolicy": "Never",
+                    "tolerations": [{"operator": "Exists"}],
+                    "imagePullSecrets": [{"name": s} for s in spec.pull_secrets],
+                    "containers": [{
+                        "name": "cleanup",
+                        "image": spec.scheduler.image,
+                        "imagePullPolicy": spec.pull_policy,
+                        "command": ["rm", "-rf", "--", f"/host/{target}"],
+                        "volumeMounts": [{"name": "root", "mountPath": "/host"}],
+                        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                                      "limits": {"memory": "64Mi"}},
+                        "securityContext": {"allowPrivilegeEscalation": False},
+                    }],
+                    "volumes": [{"name": "root", "hostPath": {
+                        "path": spec.cache.host_root, "type": "DirectoryOrCreate"}}],
+                },
+            },
+        },
+    }

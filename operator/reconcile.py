@@ -1,0 +1,265 @@
+"""The operator's steps, called by the thin kopf handlers in handlers.py.
+
+Each step is idempotent (apply = create or merge-patch to the built state), so kopf may retry
+any of them; decisions come from the pure placement/conditions functions, API calls from
+KubeApi, and everything kopf-specific (errors, events, adoption) stays visible here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from tandem_operator.conditions import (
+    CellObservation,
+    PodInfo,
+    cell_status,
+    fold_verdicts,
+    observe_cell,
+    render_conditions,
+)
+from tandem_operator.kube import KubeApi, Rejected
+from tandem_operator.manifests import (
+    CELL_LABEL,
+    COMPONENT_LABEL,
+    GENERATION,
+    NODE,
+    build_cleanup_job,
+    build_configmap,
+    build_service,
+    cell_config,
+    child_name,
+    config_hash,
+    endpoint,
+    scale_selector,
+)
+from tandem_operator.placement import INSTANCE_LABEL, Cell, NodeInfo, PodLoad, place_cells
+from tandem_operator.spec import TandemSpec
+from tandem_operator.workloads import build_pod_template, build_statefulset
+
+
+@dataclass
+class ServiceState:
+    """The operator's record of one TandemService, kept in kopf's per-object memo.
+
+    Why: kopf runs timers beside change handlers, and the `status` a handler receives is a
+    snapshot, so placement needs one current value with one writer at a time; it lives here,
+    seeded from `status.cells` after an operator restart, and `status` is its published copy.
+    Invariants: `cells[i].index == i` and each Cell's own invariants hold; `rejected` holds
+    only indexes of cells. `cells` is replaced only under `lock`.
+    """
+
+    cells: list[Cell]
+    rejected: dict[int, str] = field(default_factory=dict)  # cell -> Pod Security message
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def check_invariants(self) -> None:
+        for i, cell in enumerate(self.cells):
+            assert cell.index == i, (i, cell)
+            cell.check_invariants()
+        assert all(0 <= i < len(self.cells) for i in self.rejected), self.rejected
+
+
+def cells_from_status(status: Mapping[str, Any]) -> list[Cell]:
+    """The placement recorded in `status.cells` (what a restarted operator starts from)."""
+    return [Cell(index=c["index"], node=c.get("nodeName", ""),
+                 cache_bytes=c.get("segmentBytes", 0), requested_bytes=c.get("requestedBytes", 0),
+                 generation=c.get("segmentGeneration", 0),
+                 reason="" if c.get("nodeName") else "not placed yet")
+            for c in sorted(status.get("cells") or (), key=lambda c: c["index"])]
+
+
+def service_state(memo: kopf.Memo, status: Mapping[str, Any]) -> ServiceState:
+    state = memo.get("tandem_state")
+    if state is None:
+        state = memo["tandem_state"] = ServiceState(cells_from_status(status))
+    assert isinstance(state, ServiceState)
+    return state
+
+
+def nodes_of(index: kopf.Index[str, NodeInfo]) -> dict[str, NodeInfo]:
+    return {name: node for name, store in index.items() for node in store}
+
+
+def loads_of(index: kopf.Index[str, PodLoad]) -> list[PodLoad]:
+    return [load for store in index.values() for load in store]
+
+
+def retry_delay(retry: int) -> float:
+    """Exponential backoff for "not yet" (no fitting node, admission): 5 s doubling to 5 min."""
+    return float(min(300, 5 * 2 ** min(retry, 6)))
+
+
+async def place(state: ServiceState, spec: TandemSpec, nodes: Mapping[str, NodeInfo],
+                loads: Iterable[PodLoad], force: frozenset[int] = frozenset()) -> list[Cell]:
+    """Re-run placement under the state's lock; return the cells whose node or generation
+    changed (each then needs its children applied)."""
+    async with state.lock:
+        before = {c.index: c for c in state.cells}
+        state.cells = place_cells(spec, nodes, loads, state.cells, force)
+        state.rejected = {i: m for i, m in state.rejected.items() if i < len(state.cells)}
+        return [c for c in state.cells if c.index not in before
+                or (c.node, c.generation) != (before[c.index].node, before[c.index].generation)]
+
+
+def _observe(spec: TandemSpec, cells: Sequence[Cell],
+             pods: Sequence[PodInfo]) -> dict[int, CellObservation]:
+    return {c.index: observe_cell(spec, c, config_hash(cell_config(spec, c)), pods)
+            for c in cells if c.node}
+
+
+def roll_blocker(spec: TandemSpec, cells: Sequence[Cell], index: int,
+                 pods: Sequence[PodInfo]) -> str:
+    """Why cell `index` must wait before its new config is applied, or "".
+
+    Cells roll one at a time: a cell whose pods run an older config waits until every lower
+    cell is ready on its current one. A cell without pods (first start) never waits.
+    """
+    current = config_hash(cell_config(spec, cells[index]))
+    mine = [p for p in pods if p.cell == index]
+    if all(p.config_hash == current for p in mine):
+        return ""
+    for i, obs in _observe(spec, cells[:index], pods).items():
+        if not obs.ready:
+            return f"cell {index} waits for cell {i} to become ready on its new config"
+    return ""
+
+
+async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: ServiceState,
+                     cell: Cell) -> None:
+    """Create or update a cell's ConfigMap and StatefulSets, after a server-side dry run of
+    its pod: Pod Security admission rejects pods (not StatefulSets), so without the dry run a
+    rejection would only show as a StatefulSet that never gets pods."""
+    template = build_pod_template(spec, cell, "scheduler")
+    probe = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"], "metadata": {
+        **template["metadata"], "name": child_name(spec, cell.index, "dry-run"),
+        "namespace": spec.namespace}}
+    try:
+        await kube.dry_run_create(probe)
+    except Rejected as e:
+        if not e.pod_security:
+            raise
+        state.rejected[cell.index] = e.message
+        raise kopf.TemporaryError(f"cell {cell.index}: {e.message}", delay=60) from e
+    state.rejected.pop(cell.index, None)
+    objs = [build_configmap(spec, cell), build_statefulset(spec, cell, "scheduler"),
+            build_statefulset(spec, cell, "worker")]
+    kopf.adopt(objs, owner=owner)
+    for obj in objs:
+        await kube.apply(obj)
+
+
+async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec) -> None:
+    objs = [build_service(spec), build_service(spec, headless=True)]
+    kopf.adopt(objs, owner=owner)
+    for obj in objs:
+        await kube.apply(obj)
+
+
+async def cleanup_generation(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, cell: int,
+                             node: str, generation: int) -> None:
+    """Remove one old segment generation from a node the cell left."""
+    job = build_cleanup_job(spec, cell, node, generation)
+    kopf.adopt(job, owner=owner)
+    await kube.apply(job, create_only=True)
+
+
+async def prune_cells(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
+                      nodes: Mapping[str, NodeInfo]) -> list[int]:
+    """Delete the children of cells at or beyond `spec.cells` (a scale-down), found by listing
+    so that nothing is missed after a restart, and clean their segments; return their indexes."""
+    selector = f"{INSTANCE_LABEL}={spec.name},{COMPONENT_LABEL}=scheduler"
+    pruned = []
+    for sts in await kube.list("StatefulSet", spec.namespace, selector):
+        meta = sts["metadata"]
+        index = int(meta["labels"][CELL_LABEL])
+        if index < spec.cells:
+            continue
+        for kind, role in (("StatefulSet", "scheduler"), ("StatefulSet", "workers"),
+                           ("ConfigMap", "config")):
+            await kube.delete(kind, spec.namespace, child_name(spec, index, role))
+        node = (meta.get("annotations") or {}).get(NODE, "")
+        if node in nodes:
+            generation = int(meta["annotations"].get(GENERATION, "0"))
+            await cleanup_generation(kube, owner, spec, index, node, generation)
+        pruned.append(index)
+    return pruned
+
+
+async def repair(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: ServiceState,
+                 nodes: Mapping[str, NodeInfo], loads: Iterable[PodLoad],
+                 pods: Sequence[PodInfo]) -> list[str]:
+    """Re-place cells whose pods left their node or whose node is gone; return what was done.
+
+    The cell gets a new segment generation (a fresh directory, so no writer ever reopens a
+    segment that readers on another node never saw), its children are re-applied, the stray
+    pods are deleted (their StatefulSet recreates them on the cell's node) and the old
+    generation is removed from the node the cell left.
+    """
+    obs = _observe(spec, state.cells, pods)
+    before = {c.index: c for c in state.cells}
+    force = frozenset(i for i, o in obs.items() if o.misplaced)
+    if not force and len(before) == spec.cells and all(c.node in nodes for c in state.cells):
+        return []  # nothing to repair; spec changes are the change handlers' (they roll)
+    done = []
+    for cell in await place(state, spec, nodes, loads, force):
+        old = before.get(cell.index)
+        stray = obs[cell.index].misplaced if cell.index in obs else ()
+        why = (f"{stray[0].component} pod {stray[0].name} ran on {stray[0].node}" if stray
+               else f"node {old.node} is gone" if old and old.node else "a node fits now")
+        if cell.node:
+            await apply_cell(kube, owner, spec, state, cell)
+        for pod in stray:
+            await kube.delete("Pod", spec.namespace, pod.name)
+        if old and old.node in nodes and old.node != cell.node:
+            await cleanup_generation(kube, owner, spec, cell.index, old.node, old.generation)
+        where = f"on {cell.node}, generation {cell.generation}" if cell.node else "unplaced"
+        done.append(f"cell {cell.index} re-placed ({why}): {where}")
+    return done
+
+
+def status_payload(spec: TandemSpec, state: ServiceState, pods: Sequence[PodInfo],
+                   previous: Mapping[str, Any], now: str, generation: int) -> dict[str, Any]:
+    """The whole `status` except observedGeneration, recomputed from state and pods."""
+    obs = _observe(spec, state.cells, pods)
+    verdicts = fold_verdicts(spec, state.cells, obs, state.rejected)
+    return {
+        "cells": [cell_status(spec, c, config_hash(cell_config(spec, c)), obs.get(c.index))
+                  for c in state.cells],
+        "conditions": render_conditions(verdicts, previous.get("conditions") or (), now,
+                                        generation),
+        "replicas": sum(1 for p in pods if p.component == "scheduler" and not p.deleting),
+        "selector": scale_selector(spec),
+        "endpoint": endpoint(spec),
+    }
+
+
+def job_finished(job: Mapping[str, Any] | None) -> bool:
+    """A Job that completed or failed for good (a missing Job counts as finished)."""
+    if job is None:
+        return True
+    status = job.get("status") or {}
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+               for c in status.get("conditions") or ())
+
+
+async def cleanup_segments(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
+                           cells: Sequence[Cell], nodes: Mapping[str, NodeInfo],
+                           ) -> tuple[list[str], list[str]]:
+    """Start (idempotently) one Job per cell that removes its directory on its node; return
+    (Jobs still running, cells skipped because their node is gone)."""
+    pending, skipped = [], []
+    for cell in cells:
+        if cell.node not in nodes:
+            skipped.append(f"cell {cell.index} (node {cell.node or 'none'} is gone)")
+            continue
+        job = build_cleanup_job(spec, cell.index, cell.node)
+        kopf.adopt(job, owner=owner)
+        await kube.apply(job, create_only=True)
+        name = job["metadata"]["name"]
+        if not job_finished(await kube.read("Job", spec.namespace, name)):
+            pending.append(name)
+    return pending, skipped

@@ -1,0 +1,217 @@
+"""The TandemService spec as typed, frozen values: what the builders and the placement read.
+
+The CRD (charts/tandem/crds/tandemservices.tandem.dev.yaml) is the single source of defaults:
+the apiserver fills them in before the operator sees an object, so `parse_spec` indexes the
+fields it needs instead of repeating the defaults here. A missing field therefore means the
+CRD was not installed from the chart, and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+GROUP = "tandem.dev"
+VERSION = "v1alpha1"
+PLURAL = "tandemservices"
+KIND = "TandemService"
+
+
+class SpecError(ValueError):
+    """The spec cannot be served as written (a PermanentError for the handlers)."""
+
+
+def quantity_bytes(value: int | str) -> int:
+    """Bytes of a Kubernetes quantity ("4Gi", "512M", 1024), rounded up to a whole byte."""
+    return math.ceil(parse_quantity(value))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Container requests and limits, raw quantities as written in the spec."""
+
+    requests: Mapping[str, str]
+    limits: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    image: str
+    port: int
+    resources: Resources
+    env: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    image: str
+    workers_per_cell: int
+    tensor_parallel_size: int
+    device: str
+    gpu_count: int
+    gpu_resource: str
+    resources: Resources
+    env: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class FeatureCacheSpec:
+    type: str  # shm | lru | none
+    size: int  # requested bytes (0 = off)
+    max_object_size: int
+    max_node_memory_percent: int
+    host_root: str
+    cleanup_on_start: bool
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any]
+    max_cells_per_node: int
+
+
+@dataclass(frozen=True)
+class TracingSpec:
+    endpoint: str
+    sampler: str
+    ratio: str
+
+
+@dataclass(frozen=True)
+class TandemSpec:
+    """One TandemService: its identity plus the defaulted spec.
+
+    `cache_bytes_requested` is what the cache would get on an unbounded node; placement caps
+    it per node (see placement.py).
+    """
+
+    name: str
+    namespace: str
+    model: str  # TANDEM_MODEL: a preset name or a directory
+    model_claim: str  # PVC mounted read-only at `model` ("" = none)
+    cells: int
+    pull_policy: str
+    pull_secrets: tuple[str, ...]
+    scheduler: SchedulerSpec
+    worker: WorkerSpec
+    cache: FeatureCacheSpec
+    prefix_caching: bool
+    block_size: int
+    shm_size: int  # /dev/shm emptyDir of the workers, bytes (0 = none)
+    placement: PlacementSpec
+    startup_failure_threshold: int
+    run_as_user: int
+    run_as_group: int
+    tracing: TracingSpec
+    router_enabled: bool
+
+    @property
+    def cache_bytes_requested(self) -> int:
+        return 0 if self.cache.type == "none" else self.cache.size
+
+
+def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
+    """`<repository>:<tag>`, with `-cuda` on the tag for workers that will run on CUDA.
+
+    A worker runs on CUDA when its device says cuda, or says auto and it requests GPUs; the
+    CUDA build of torch lives in the `-cuda` image only, the plain image stays small.
+    """
+    cuda = device.startswith("cuda") or (device == "auto" and gpu_count > 0)
+    return f"{image['repository']}:{image['tag']}{'-cuda' if cuda else ''}"
+
+
+def _resources(raw: Mapping[str, Any]) -> Resources:
+    return Resources(
+        requests={k: str(v) for k, v in (raw.get("requests") or {}).items()},
+        limits={k: str(v) for k, v in (raw.get("limits") or {}).items()},
+    )
+
+
+def _env(raw: list[Mapping[str, str]] | None) -> tuple[tuple[str, str], ...]:
+    return tuple((e["name"], e["value"]) for e in raw or ())
+
+
+def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
+    image, sch, wrk, fc = s["image"], s["scheduler"], s["worker"], s["featureCache"]
+    gpu = wrk["gpu"]
+    place, model = s["placement"], s["model"]
+    shm = s["sharedMemory"]
+    return TandemSpec(
+        name=name,
+        namespace=namespace,
+        model=model.get("path") or model["name"],
+        model_claim=model.get("claimName", ""),
+        cells=s["cells"],
+        pull_policy=image["pullPolicy"],
+        pull_secrets=tuple(image.get("pullSecrets") or ()),
+        scheduler=SchedulerSpec(
+            image=sch.get("image") or f"{image['repository']}:{image['tag']}",
+            port=sch["port"],
+            resources=_resources(sch["resources"]),
+            env=_env(sch.get("env")),
+        ),
+        worker=WorkerSpec(
+            image=wrk.get("image") or default_worker_image(image, wrk["device"], gpu["count"]),
+            workers_per_cell=wrk["workersPerCell"],
+            tensor_parallel_size=wrk["tensorParallelSize"],
+            device=wrk["device"],
+            gpu_count=gpu["count"],
+            gpu_resource=gpu["resourceName"],
+            resources=_resources(wrk["resources"]),
+            env=_env(wrk.get("env")),
+        ),
+        cache=FeatureCacheSpec(
+            type=fc["type"],
+            size=quantity_bytes(fc["size"]),
+            max_object_size=quantity_bytes(fc["maxObjectSize"]),
+            max_node_memory_percent=fc["maxNodeMemoryPercent"],
+            host_root=fc["hostPath"]["root"].rstrip("/") or "/",
+            cleanup_on_start=fc["cleanupOnStart"],
+        ),
+        prefix_caching=s["prefixCache"]["enabled"],
+        block_size=s["prefixCache"]["blockSize"],
+        shm_size=0 if shm["disabled"] else quantity_bytes(shm["size"]),
+        placement=PlacementSpec(
+            node_selector=dict(place.get("nodeSelector") or {}),
+            tolerations=tuple(place.get("tolerations") or ()),
+            affinity=dict(place.get("affinity") or {}),
+            max_cells_per_node=place["maxCellsPerNode"],
+        ),
+        startup_failure_threshold=s["probes"]["startupFailureThreshold"],
+        run_as_user=s["securityContext"]["runAsUser"],
+        run_as_group=s["securityContext"]["runAsGroup"],
+        tracing=TracingSpec(
+            s["tracing"]["endpoint"], s["tracing"]["sampler"], s["tracing"]["ratio"]
+        ),
+        router_enabled=s["router"]["enabled"],
+    )
+
+
+def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec:
+    """Parse a defaulted spec and reject what this operator version cannot serve.
+
+    Raises SpecError with a message meant for the `Ready` condition.
+    """
+    try:
+        parsed = _parse(name, namespace, spec)
+    except KeyError as e:
+        raise SpecError(
+            f"spec field {e.args[0]!r} is missing: the CRD's defaults were not applied "
+            "(install the CRD from charts/tandem/crds)"
+        ) from e
+    except ValueError as e:  # a quantity the CRD pattern let through but Kubernetes rejects
+        raise SpecError(f"invalid quantity in the spec: {e}") from e
+    if parsed.worker.tensor_parallel_size != 1:
+        raise SpecError("worker.tensorParallelSize > 1 is not supported by this operator version")
+    if parsed.router_enabled:
+        raise SpecError("router.enabled is not supported by this operator version")
+    if parsed.worker.device.startswith("cuda") and parsed.worker.gpu_count == 0:
+        raise SpecError("worker.device cuda needs worker.gpu.count >= 1")  # mirrors the CEL rule
+    return parsed
+

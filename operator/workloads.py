@@ -1,0 +1,240 @@
+"""Pure builders for a cell's workloads: the scheduler and worker StatefulSets.
+
+Both are StatefulSets: a StatefulSet never runs two pods of one ordinal at once, which is what
+a single segment writer needs (the scheduler), and it labels each pod with its ordinal
+(`apps.kubernetes.io/pod-index`), which the workers read as their rank through the Downward API.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from tandem_operator.manifests import (
+    CELL_LABEL,
+    CELL_MOUNT,
+    COMPONENT_LABEL,
+    CONFIG_HASH,
+    GENERATION,
+    NODE,
+    SCHEDULER_METRICS_PORT,
+    SHM_MOUNT,
+    WORKER_METRICS_PORT,
+    WORKER_PORT,
+    cell_config,
+    cell_dir,
+    child_name,
+    config_hash,
+    generation_dir,
+    labels,
+    selector_labels,
+    service_name,
+)
+from tandem_operator.placement import INSTANCE_LABEL, Cell, resource_amount
+from tandem_operator.spec import Resources, TandemSpec
+
+HOSTNAME = "kubernetes.io/hostname"
+# Prepares the cell directory before any Tandem process touches it: kubelet creates hostPath
+# and subPath directories as root 0755, where a non-root scheduler could not write.
+_PREPARE = """set -eu
+dir="$1"; gen="$2"; owner="$3"; prune="$4"
+mkdir -p "$dir/$gen"
+if [ "$prune" = true ]; then
+  find "$dir" -mindepth 1 -maxdepth 1 ! -name "$gen" -exec rm -rf -- {} +
+fi
+chown "$owner" "$dir/$gen"
+chmod 0700 "$dir/$gen"
+"""
+
+
+def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str, Any]:
+    return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def probes(spec: TandemSpec, port: int, ready_service: str) -> dict[str, Any]:
+    """Native gRPC probes on grpc.health.v1.
+
+    Liveness is lenient (6 x 10 s on the server's overall health, "") so one slow reply never
+    kills a pod; readiness asks for the real dependency (`tandem.v1.Generation` is SERVING
+    only once the scheduler's workers are attached); startup allows a long model load.
+    """
+    return {
+        "startupProbe": _grpc_probe(port, "", 5, spec.startup_failure_threshold),
+        "readinessProbe": _grpc_probe(port, ready_service, 5, 3),
+        "livenessProbe": _grpc_probe(port, "", 10, 6),
+    }
+
+
+def _resources(res: Resources, extra: dict[str, int]) -> dict[str, Any]:
+    """Requests and limits with `extra` added: bytes of memory, or counts of a device."""
+    requests, limits = dict(res.requests), dict(res.limits)
+    for name, amount in extra.items():
+        if name == "memory":
+            requests["memory"] = str(resource_amount("memory", requests.get("memory", 0)) + amount)
+            if "memory" in limits:
+                limits["memory"] = str(resource_amount("memory", limits["memory"]) + amount)
+        else:  # extended resources (GPUs) must have requests == limits
+            requests[name] = limits[name] = str(amount)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _prepare_container(spec: TandemSpec, cell: Cell, prune: bool) -> dict[str, Any]:
+    """Init container: create this generation's directory for the pods' user; the scheduler's
+    also removes older generations (cleanupOnStart), so a crashed writer's files never linger."""
+    return {
+        "name": "prepare-segment",
+        "image": spec.scheduler.image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, generation_dir(cell.generation),
+                    f"{spec.run_as_user}:{spec.run_as_group}", "true" if prune else "false"],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"],
+                                             "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}},
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [{"name": "cell", "mountPath": CELL_MOUNT}],
+    }
+
+
+def _affinity(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
+    """Required node affinity pinning the cell to its chosen node (matchFields on the node
+    name, as the DaemonSet controller does: hostname labels may differ from node names), plus
+    the user's pod (anti-)affinity. Workers also require their cell's scheduler on the same
+    host; with maxCellsPerNode 1, schedulers repel the other cells' schedulers."""
+    user = copy.deepcopy(dict(spec.placement.affinity))
+    affinity: dict[str, Any] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [cell.node]}]}]}}}
+    for kind in ("podAffinity", "podAntiAffinity"):
+        if kind in user:
+            affinity[kind] = user[kind]
+    if component == "worker":
+        term = {"labelSelector": {"matchLabels": selector_labels(spec, "scheduler", cell.index)},
+                "topologyKey": HOSTNAME}
+        affinity.setdefault("podAffinity", {}).setdefault(
+            "requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    elif spec.placement.max_cells_per_node == 1:
+        term = {"labelSelector": {"matchLabels": {INSTANCE_LABEL: spec.name,
+                                                  COMPONENT_LABEL: "scheduler"},
+                                  "matchExpressions": [{"key": CELL_LABEL, "operator": "NotIn",
+                                                        "values": [str(cell.index)]}]},
+                "topologyKey": HOSTNAME}
+        affinity.setdefault("podAntiAffinity", {}).setdefault(
+            "requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    return affinity
+
+
+def _volumes(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": "cell", "hostPath": {
+        "path": cell_dir(spec, cell.index), "type": "DirectoryOrCreate"}}]
+    if component == "worker" and spec.shm_size:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": str(spec.shm_size)}})
+    if spec.model_claim:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model_claim, "readOnly": True}})
+    return volumes
+
+
+def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [{"name": "cell", "mountPath": SHM_MOUNT,
+                                     "subPath": generation_dir(cell.generation)}]
+    if component == "worker" and spec.shm_size:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.model_claim:
+        mounts.append({"name": "model", "mountPath": spec.model, "readOnly": True})
+    return mounts
+
+
+def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
+    if component == "scheduler":
+        port, metrics, image = spec.scheduler.port, SCHEDULER_METRICS_PORT, spec.scheduler.image
+        env = [{"name": "TANDEM_LISTEN", "value": f"0.0.0.0:{port}"}]
+        resources = _resources(spec.scheduler.resources, {"memory": cell.cache_bytes})
+        user_env, ready = spec.scheduler.env, "tandem.v1.Generation"
+    else:
+        port, metrics, image = WORKER_PORT, WORKER_METRICS_PORT, spec.worker.image
+        env = [{"name": "TANDEM_WORKER_RANK", "valueFrom": {"fieldRef": {
+                   "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+               {"name": "TANDEM_WORKER_LISTEN", "value": f"0.0.0.0:{port}"}]
+        gpus = {spec.worker.gpu_resource: spec.worker.gpu_count} if spec.worker.gpu_count else {}
+        resources = _resources(spec.worker.resources, gpus)
+        user_env, ready = spec.worker.env, ""
+    env += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
+            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}]
+    env += [{"name": k, "value": v} for k, v in user_env]
+    return {
+        "name": component,
+        "image": image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["tandem", component],
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": metrics, "protocol": "TCP"}],
+        "envFrom": [{"configMapRef": {"name": child_name(spec, cell.index, "config")}}],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": _mounts(spec, cell, component),
+        "securityContext": _container_security(),
+        **probes(spec, port, ready),
+    }
+
+
+def build_pod_template(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
+    """The pod of a cell's scheduler or worker; also what the operator dry-runs to learn
+    whether Pod Security admission would let the StatefulSet create it."""
+    pod_spec: dict[str, Any] = {
+        "affinity": _affinity(spec, cell, component),
+        "securityContext": {"runAsUser": spec.run_as_user, "runAsGroup": spec.run_as_group,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "initContainers": [_prepare_container(spec, cell, prune=(
+            component == "scheduler" and spec.cache.cleanup_on_start))],
+        "containers": [_container(spec, cell, component)],
+        "volumes": _volumes(spec, cell, component),
+    }
+    if spec.placement.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.placement.tolerations]
+    if spec.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]
+    return {
+        "metadata": {
+            "labels": labels(spec, component, cell.index),
+            "annotations": {CONFIG_HASH: config_hash(cell_config(spec, cell)),
+                            GENERATION: str(cell.generation)},
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_statefulset(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
+    """The scheduler (1 replica) or the workers (workersPerCell, started in parallel) of a
+    cell. Its pod template carries the config hash, so a config change rolls the pods."""
+    workers = component == "worker"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": child_name(spec, cell.index, "workers" if workers else "scheduler"),
+                     "namespace": spec.namespace, "labels": labels(spec, component, cell.index),
+                     "annotations": {NODE: cell.node, GENERATION: str(cell.generation)}},
+        "spec": {
+            "replicas": spec.worker.workers_per_cell if workers else 1,
+            "serviceName": service_name(spec, headless=True),
+            "podManagementPolicy": "Parallel" if workers else "OrderedReady",
+            "selector": {"matchLabels": selector_labels(spec, component, cell.index)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": build_pod_template(spec, cell, component),
+        },
+    }
