@@ -21,7 +21,7 @@ from scheduler_svc.image_processor import ImageProcessorConfig
 from scheduler_svc.input_processor import InputProcessor
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, StepOutput
-from scheduler_svc.scheduler import Scheduler, SchedulerLimits
+from scheduler_svc.scheduler import Scheduler, SchedulerCounters, SchedulerLimits
 from scheduler_svc.step_message import build_step_request, mark_delivered
 from scheduler_svc.worker_client import StepFailed, WorkerPool
 from tandem.errors import InvalidInput, Unavailable
@@ -64,6 +64,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._step_id = 0
+        self.counters = SchedulerCounters()
         self.serving = False
         self.model: ModelInfo | None = None
         self.scheduler: Scheduler | None = None
@@ -94,7 +95,7 @@ class Engine:
         limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens,
                                  c.max_num_batched_tokens)
         self.scheduler = Scheduler(limits, kv, EncoderCacheManager(c.encoder_cache_embeds),
-                                   self._redeliver)
+                                   self._redeliver, self.counters)
 
     async def generate(
         self, msg: generate_pb2.GenerateRequest
@@ -234,7 +235,7 @@ class Engine:
         if self.scheduler is not None:
             kv = self.scheduler.kv
             msg.prefix_cache_blocks = kv.prefix_cache_blocks
-            msg.prefix_cache_hit_tokens_total = kv.prefix_cache_hit_tokens
+            msg.prefix_cache_hit_tokens_total = self.counters.prefix_cache_hit_tokens
             msg.kv_blocks_total, msg.kv_blocks_free = kv.pool.num_blocks, kv.num_free_blocks
         return msg
 

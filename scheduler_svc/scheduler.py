@@ -34,6 +34,16 @@ class SchedulerLimits:
 
 
 @dataclass(slots=True)
+class SchedulerCounters:
+    """Totals since start; they outlive a scheduler reset. Prompts count once, when
+    admitted (a waiting request is looked up in the prefix cache again every step)."""
+
+    prompt_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass(slots=True)
 class NewRequestData:
     """A request sent to the workers in full: first schedule, or again after preemption."""
 
@@ -85,7 +95,8 @@ class Scheduler:
     """
 
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, encoder: EncoderCacheManager,
-                 redeliver: Callable[[Request], None]) -> None:
+                 redeliver: Callable[[Request], None],
+                 counters: SchedulerCounters | None = None) -> None:
         self.limits = limits
         self.kv = kv
         self.encoder = encoder
@@ -94,7 +105,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next step
-        self.num_preemptions = 0
+        self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
     def has_work(self) -> bool:
@@ -168,6 +179,8 @@ class Scheduler:
                 self._redeliver(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+                self.counters.prefix_cache_hit_tokens += num_computed
+                self.counters.prompt_tokens += request.num_prompt_tokens
             request.status = Status.RUNNING
             self.running.append(request)
             self._commit(request, n, enc, out)
@@ -233,7 +246,7 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.preemptions += 1
-        self.num_preemptions += 1
+        self.counters.preemptions += 1
         self.waiting.appendleft(request)
         out.finished_request_ids.append(request.request_id)
         out.num_scheduled_tokens.pop(request.request_id, None)

@@ -1,0 +1,123 @@
+"""Start real local cells (``tandem serve`` in a subprocess) and talk to them in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+SERVICE = "tandem.v1.Generation"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cell:
+    target: str
+    shm_dir: Path
+    proc: subprocess.Popen
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> generate_pb2_grpc.GenerationStub:
+        return generate_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt: str, images: list[bytes] = (), max_tokens: int = 8,
+                 **sampling: object) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
+        """Run one request; returns (token ids, text, last message)."""
+        msg = request(prompt, images, max_tokens, **sampling)
+        ids: list[int] = []
+        text = ""
+        last = None
+        for last in self.stub.Generate(msg, timeout=120):
+            ids.extend(last.token_ids)
+            text += last.text
+        assert last is not None and last.finish_reason != 0
+        return ids, text, last
+
+    def stats(self) -> generate_pb2.CacheStatsResponse:
+        return self.stub.CacheStats(generate_pb2.CacheStatsRequest(), timeout=10)
+
+    def health(self, service: str = SERVICE) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def request(prompt: str, images: list[bytes] = (), max_tokens: int = 8, cache_salt: str = "",
+            **sampling: object) -> generate_pb2.GenerateRequest:
+    msg = generate_pb2.GenerateRequest(prompt=prompt, cache_salt=cache_salt)
+    for data in images:
+        msg.images.add(encoded=data)
+    msg.sampling.max_tokens = max_tokens
+    for key, value in sampling.items():
+        setattr(msg.sampling, key, value)
+    return msg
+
+
+def png(seed: int, width: int = 112, height: int = 84) -> bytes:
+    """A deterministic random PNG."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@contextlib.contextmanager
+def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell]:
+    """``tandem serve`` with its segment under ``tmp``; stopped (SIGTERM) afterwards."""
+    port = free_port()
+    shm_dir = tmp / "shm"
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--shm-dir", str(shm_dir), "--kv-cache-size", "16Mi", "--log-level", "WARNING",
+           *flags]
+    log = open(tmp / "cell.log", "wb")  # noqa: SIM115 - closed below
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_DEBUG_INVARIANTS="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    cell = Cell(f"127.0.0.1:{port}", shm_dir, proc, channel)
+    try:
+        _wait_serving(cell, timeout, tmp / "cell.log")
+        yield cell
+    finally:
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _wait_serving(cell: Cell, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cell.proc.poll() is not None:
+            raise RuntimeError(f"cell exited early:\n{log.read_text()[-4000:]}")
+        try:
+            if cell.health() == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"cell not serving after {timeout}s:\n{log.read_text()[-4000:]}")
