@@ -74,6 +74,10 @@ class ModelConfig:
     def uses_mrope(self) -> bool:
         return self.position_scheme == "mrope"
 
+    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+        """Keys and values of ``block_size`` tokens over all layers."""
+        return 2 * self.n_layers * block_size * self.n_kv_heads * self.head_dim * element_size
+
     def num_image_tokens(self, grid_h: int, grid_w: int) -> int:
         """LM embeddings (= placeholder tokens) for an image of ``grid_h x grid_w`` patches."""
         return (grid_h // self.merge_size) * (grid_w // self.merge_size)

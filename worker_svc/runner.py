@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import FailedPrecondition, InvalidInput
-from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
+from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.shm import ShmDescriptor
+from tandem.tokenizer import BOS_ID, IMAGE_ID
 from worker_svc.batch import build_batch
 from worker_svc.encoder_cache import EncoderCache
 from worker_svc.model import Transformer
@@ -24,7 +25,8 @@ from worker_svc.request_state import (
     new_request_state,
 )
 from worker_svc.sampler import exponential_noise, sample, token_seed
-from worker_svc.step import NewRequestData, StepInput, StepOutput
+from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
+from worker_svc.synthetic import synthetic_image
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,21 @@ class StepRunner:
             noise=noise,
         )
         return tokens.tolist()  # the step's one host sync
+
+    def warm_up(self) -> None:
+        """Run one tiny request through every stage (encoder, forward, sampler), then release it.
+
+        It writes block 0 and no request is harmed: a slot is always written by the step
+        that computes its token before any request reads it.
+        """
+        rid, c = "__warmup__", self.config
+        feature = MultiModalFeatureSpec(rid, "image", PlaceholderRange(1, 1),
+                                        synthetic_image(c, c.merge_size, c.merge_size, seed=0))
+        blocks = list(range(-(-2 // self.model.block_size)))
+        req = NewRequestData(rid, [BOS_ID, IMAGE_ID], 2, [feature], SamplingParams(), blocks, 0)
+        self.step(StepInput(0, new_requests=[req], num_scheduled_tokens={rid: 2},
+                            scheduled_encoder_inputs={rid: [0]}))
+        self.step(StepInput(0, free_encoder_mm_hashes=[rid], finished_request_ids=[rid]))
 
     def check_invariants(self) -> None:
         for state in self.requests.values():

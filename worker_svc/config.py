@@ -1,0 +1,34 @@
+"""Settings of one worker process (flags and TANDEM_* variables: docs/configuration.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    shm_dir: str  # shared with the scheduler: segment file and worker-<rank>.sock
+    model: str = "tiny"  # preset name or a directory with config.json + model.safetensors
+    rank: int = 0  # SHM reader slot
+    world_size: int = 1
+    worker_listen: str = ""  # extra TCP host:port ("" = Unix socket only)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV block; must equal the scheduler's
+    kv_cache_bytes: int = 256 * MiB  # KV budget on CPU
+    gpu_memory_fraction: float = 0.8  # KV budget on CUDA: fraction of free memory
+    metrics_port: int = 0  # Prometheus /metrics (0 = off; served by the observability layer)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
+        if self.block_size <= 0 or self.kv_cache_bytes <= 0:
+            raise ValueError("block_size and kv_cache_bytes must be positive")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.shm_dir).absolute() / f"worker-{self.rank}.sock"

@@ -1,0 +1,215 @@
+"""The worker process: ``tandem.v1.Worker`` over gRPC, plus health and reflection.
+
+Lifecycle: ``create_server`` binds the Unix socket (and TCP if configured) and starts
+serving at once with health NOT_SERVING, while the model loads and warms up on the step
+thread; health turns SERVING when the warm-up step succeeded. ``shutdown`` is the one
+way down. ``serve`` ties both to SIGTERM/SIGINT for the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import ErrorMappingInterceptor, ResourceExhausted, Unavailable
+from tandem.receiver_cache import ShmReceiverCache
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
+from worker_svc.config import WorkerConfig
+from worker_svc.model_config import ModelConfig
+from worker_svc.runner import StepRunner
+from worker_svc.step_codec import step_from_proto, step_output_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# A step may carry several inline images of up to --mm-cache-max-object-size each; this
+# matches the scheduler's send limit. Responses are a few tokens per request.
+MAX_RECEIVE_BYTES = 1 << 30
+MAX_SEND_BYTES = 16 << 20
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Describe and Step. A thin adapter over :class:`StepRunner`.
+
+    Steps run one at a time on a single worker thread, so the event loop keeps answering
+    health checks during a step. Errors are mapped to statuses by the server's
+    ``ErrorMappingInterceptor``, never here.
+    """
+
+    def __init__(self, config: WorkerConfig, executor: ThreadPoolExecutor) -> None:
+        self.config = config
+        self.executor = executor
+        self.ready = asyncio.Event()  # set once the model is loaded and warmed up
+        self.runner: StepRunner | None = None
+        self.describe = worker_pb2.DescribeResponse()
+
+    def load(self) -> None:
+        """Load the model, size the KV cache, warm up (runs on the step thread)."""
+        c = self.config
+        device = resolve_device(c.device)
+        dtype = compute_dtype(device)
+        model = load_model(c.model, device, dtype)
+        model.setup_caches(kv_cache_blocks(c, model.config, device, dtype), c.block_size)
+        runner = StepRunner(model, ShmReceiverCache(c.shm_dir, c.rank),
+                            debug_invariants=os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1")
+        runner.warm_up()
+        self.describe = worker_pb2.DescribeResponse(
+            model=c.model, model_config_json=model.config.to_json(),
+            device=str(model.output.weight.device), dtype=str(dtype).removeprefix("torch."),
+            num_kv_blocks=model.num_blocks, block_size=model.block_size,
+            rank=c.rank, world_size=c.world_size)
+        self.runner = runner
+
+    async def Describe(self, request: worker_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.DescribeResponse:
+        await self.ready.wait()  # the caller's deadline bounds the wait for warm-up
+        assert self.runner is not None and self.runner.receiver is not None
+        out = worker_pb2.DescribeResponse()
+        out.CopyFrom(self.describe)
+        out.segment_generation = self.runner.receiver.generation
+        return out
+
+    async def Step(self, request: worker_pb2.StepRequest,
+                   context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
+        if not self.ready.is_set():
+            raise Unavailable("the worker is still warming up", reason="WARMING_UP")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._step, request)
+
+    def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        assert self.runner is not None
+        return step_output_to_proto(self.runner.step(step_from_proto(request)))
+
+    def close(self) -> None:
+        if self.runner is not None and self.runner.receiver is not None:
+            self.runner.receiver.close()
+
+
+def kv_cache_blocks(config: WorkerConfig, model_config: ModelConfig, device: torch.device,
+                    dtype: torch.dtype) -> int:
+    """Blocks that fit the budget: bytes on CPU, a fraction of free memory on CUDA."""
+    per_block = model_config.kv_bytes_per_block(config.block_size, dtype.itemsize)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_fraction)
+    else:
+        budget = config.kv_cache_bytes
+    if budget // per_block < 2:
+        raise ResourceExhausted(f"the KV budget of {budget} bytes holds fewer than 2 blocks of "
+                                f"{per_block} bytes", reason="KV_BUDGET_TOO_SMALL")
+    return budget // per_block
+
+
+@dataclass
+class RunningWorker:
+    """A started worker server: what ``shutdown`` needs, and the addresses for clients."""
+
+    config: WorkerConfig
+    server: grpc.aio.Server
+    addresses: list[str]  # "unix:///abs/path/worker-<rank>.sock", then "host:port" if TCP
+    health: health.aio.HealthServicer
+    servicer: WorkerServicer
+    executor: ThreadPoolExecutor
+    warmup: asyncio.Task[None]
+
+
+async def create_server(config: WorkerConfig) -> RunningWorker:
+    """Start serving now (health NOT_SERVING); load and warm up in the background."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer = WorkerServicer(config, executor)
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                 ("grpc.max_send_message_length", MAX_SEND_BYTES)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    addresses = _bind(server, config)
+    await server.start()
+    warmup = asyncio.create_task(_warm_up(servicer, health_servicer), name="worker-warmup")
+    return RunningWorker(config, server, addresses, health_servicer, servicer, executor, warmup)
+
+
+def _bind(server: grpc.aio.Server, config: WorkerConfig) -> list[str]:
+    """The Unix socket, created 0600 (umask while binding), then TCP if configured."""
+    path = config.socket_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # left by a worker that died; the rank is ours
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    finally:
+        os.umask(old_umask)
+    addresses = [f"unix://{path}"]
+    if config.worker_listen:
+        host = config.worker_listen.rsplit(":", 1)[0]
+        port = server.add_insecure_port(config.worker_listen)
+        addresses.append(f"{host}:{port}")
+    return addresses
+
+
+async def _warm_up(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer) -> None:
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(servicer.executor, servicer.load)
+    servicer.ready.set()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker %d ready: %s", servicer.config.rank, servicer.describe.device)
+
+
+async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> None:
+    """Stop a worker in order.
+
+    Health NOT_SERVING (probes and schedulers see it first) -> ``server.stop(grace)``
+    (new calls refused, the in-flight step may finish) -> cancel a warm-up still
+    running -> join the step thread -> detach from the segment -> remove the socket.
+    The segment itself belongs to the scheduler and is left alone.
+    """
+    await worker.health.enter_graceful_shutdown()
+    await worker.server.stop(grace)
+    worker.warmup.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await worker.warmup
+    await asyncio.to_thread(worker.executor.shutdown, wait=True, cancel_futures=True)
+    worker.servicer.close()
+    worker.config.socket_path.unlink(missing_ok=True)
+
+
+def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGTERM or SIGINT (an ignored SIGINT stays ignored)."""
+    asyncio.run(_serve(config))
+
+
+async def _serve(config: WorkerConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            loop.add_signal_handler(sig, stop.set)
+    worker = await create_server(config)
+    log.info("worker %d listening on %s", config.rank, ", ".join(worker.addresses))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({worker.warmup, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if worker.warmup.done() and not worker.warmup.cancelled():
+            worker.warmup.result()  # a model that failed to load ends the process here
+        await stopping
+    finally:
+        stopping.cancel()
+        await shutdown(worker)
