@@ -35,19 +35,18 @@ app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Version | replace "+" "_" }}
 {{- end }}
 
-{{/* Images: one repository for every component; workers with GPUs run the CUDA build. */}}
+{{/* One image for every component (the operator appends -cuda for CUDA workers). */}}
 {{- define "tandem.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
-{{- define "tandem.workerImage" -}}
-{{- if .Values.service.worker.image }}
-{{- .Values.service.worker.image }}
-{{- else if gt (int .Values.service.worker.gpu.count) 0 }}
-{{- printf "%s%s" (include "tandem.image" .) .Values.image.cudaTagSuffix }}
-{{- else }}
-{{- include "tandem.image" . }}
+{{/* The TandemService's name: the CRD allows 40 characters (children append suffixes). */}}
+{{- define "tandem.serviceName" -}}
+{{- $name := .Values.service.name | default (include "tandem.fullname" .) }}
+{{- if gt (len $name) 40 }}
+{{- fail (printf "the TandemService name %q is longer than 40 characters: set service.name" $name) }}
 {{- end }}
+{{- $name }}
 {{- end }}
 
 {{- define "tandem.operatorServiceAccount" -}}

@@ -1,0 +1,286 @@
+"""The chart, rendered by real Helm 3 and Helm 4: lint, schema validity of every object, and the
+properties that matter when it runs (security contexts, probes, tracing wiring, pass-through).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from tandem_operator.spec import parse_spec
+from test_chart_harness import (
+    ALL_ON,
+    ALL_ON_SETS,
+    CHART,
+    CI_VALUES,
+    KUBE_VERSIONS,
+    MAJORS,
+    NAMESPACE,
+    RELEASE,
+    crd_schema,
+    env_of,
+    find,
+    helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
+    one,
+    pod_specs,
+    render,
+    run_helm,
+    validate_object,
+    with_defaults,
+)
+
+from tandem import __version__
+from tandem.cli import build_parser
+
+CASES = [(), *((v,) for v in CI_VALUES)]
+CASE_IDS = ["default", *(v.removeprefix("ci/").removesuffix("-values.yaml") for v in CI_VALUES)]
+
+
+def test_ci_covers_the_required_modes() -> None:
+    assert {"ci/tracing-values.yaml", "ci/cells-values.yaml",
+            "ci/watch-namespaces-values.yaml"} <= set(CI_VALUES)
+
+
+@pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("values", CASES, ids=CASE_IDS)
+def test_lint_strict(helm: dict, major: str, values: tuple[str, ...]) -> None:
+    flags = [f for v in values for f in ("-f", str(CHART / v))]
+    proc = run_helm(major, "lint", "--strict", str(CHART), "--namespace", NAMESPACE, *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("values", [*CASES, ALL_ON], ids=[*CASE_IDS, "all-on"])
+def test_every_object_validates(helm: dict, major: str, values: tuple[str, ...]) -> None:
+    sets = ALL_ON_SETS if values == ALL_ON else ()
+    objects = render(major, values, sets)
+    assert objects
+    for obj in objects:
+        for version in KUBE_VERSIONS:
+            validate_object(obj, version)
+
+
+@pytest.mark.parametrize("values", CASES, ids=CASE_IDS)
+def test_tandemservice_is_served_by_the_operator(helm: dict, values: tuple[str, ...]) -> None:
+    """After the apiserver's defaulting, the operator's own parser accepts the chart's object
+    (it also applies the rules the CRD states in CEL)."""
+    service = one(render("helm4", values), "TandemService")
+    spec = with_defaults(crd_schema()["properties"]["spec"], service["spec"])
+    parsed = parse_spec(service["metadata"]["name"], NAMESPACE, spec)
+    assert parsed.scheduler.image == f"ghcr.io/tandem-dev/tandem:{__version__}"
+
+
+def test_helm3_and_helm4_render_the_same_objects(helm: dict) -> None:
+    for values in CASES:
+        assert render("helm3", values) == render("helm4", values), values
+
+
+def test_default_install_serves_a_gpu_pair(helm: dict) -> None:
+    objects = render("helm4")
+    spec = one(objects, "TandemService")["spec"]
+    assert spec["cells"] == 1 and spec["worker"]["gpu"] == {"count": 1,
+                                                           "resourceName": "nvidia.com/gpu"}
+    assert spec["image"] == {"repository": "ghcr.io/tandem-dev/tandem", "tag": __version__,
+                             "pullPolicy": "IfNotPresent"}
+    assert spec["featureCache"]["type"] == "shm"
+    operator = one(objects, "Deployment", "operator")
+    assert operator["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        f"ghcr.io/tandem-dev/tandem:{__version__}")
+    assert not find(objects, "Deployment", "collector") and not find(objects, "PodMonitor")
+
+
+@pytest.mark.parametrize("values", [*CASES, ALL_ON], ids=[*CASE_IDS, "all-on"])
+def test_pods_are_locked_down(helm: dict, values: tuple[str, ...]) -> None:
+    sets = ALL_ON_SETS if values == ALL_ON else ()
+    for name, pod in pod_specs(render("helm4", values, sets)):
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert ctx["readOnlyRootFilesystem"] is True, (name, c["name"])
+            assert ctx["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+            assert "memory" in c["resources"]["limits"], (name, c["name"])
+            repository, _, tag = c["image"].rpartition(":")
+            assert repository and tag not in ("", "latest"), c["image"]
+
+
+def test_operator_deployment(helm: dict) -> None:
+    deployment = one(render("helm4"), "Deployment", "operator")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["tandem"]
+    assert container["args"][:4] == ["operator", "--standalone",
+                                     "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces"]
+    probe = container["livenessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert probe["failureThreshold"] >= 3, "a lenient liveness probe"
+    assert pod["serviceAccountName"] == one(render("helm4"), "ServiceAccount", "operator")[
+        "metadata"]["name"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_operator_watches_the_listed_namespaces(helm: dict) -> None:
+    objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
+    args = one(objects, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert "--all-namespaces" not in args
+    assert args[3:] == ["--namespace=team-a", "--namespace=team-b", "--verbose"]
+
+
+def test_commands_parse_with_the_tandem_cli(helm: dict) -> None:
+    """Every container that runs `tandem` passes arguments the real CLI accepts."""
+    parser = build_parser()
+    seen = set()
+    for _, pod in pod_specs(render("helm4", ALL_ON, ALL_ON_SETS)):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c.get("command") == ["tandem"]:
+                args = parser.parse_args(c["args"])
+                seen.add(c["args"][0])
+                assert callable(args.func)
+    assert seen == {"operator", "generate"}
+
+
+def test_helm_test_checks_health_then_generates(helm: dict) -> None:
+    pod = one(render("helm4"), "Pod", "test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    target = f"{RELEASE}.{NAMESPACE}.svc:50051"
+    (health,) = pod["spec"]["initContainers"]
+    assert health["command"][:2] == ["python", "-c"] and health["command"][-1] == target
+    compile(health["command"][2], "health-check", "exec")
+    assert "tandem.v1.Generation" in health["command"][2]
+    (generate,) = pod["spec"]["containers"]
+    assert generate["args"] == ["generate", "--target", target, "--max-tokens", "4", "hello"]
+
+
+def test_hook_scripts_compile(helm: dict) -> None:
+    objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
+    scripts = [c["command"][2] for _, pod in pod_specs(objects) for c in pod["containers"]
+               if c.get("command", [])[:2] == ["python", "-c"]]
+    assert len(scripts) == 2  # label the namespace, delete the TandemService on uninstall
+    for script in scripts:
+        compile(script, "hook", "exec")
+
+
+def _endpoint_env(objects: list[dict]) -> str:
+    container = one(objects, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]
+    return env_of(container).get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    ((), ""),
+    (('tracing.endpoint="http://otel.monitoring:4317"',), "http://otel.monitoring:4317"),
+    (("tracing.jaeger.enabled=true",), f"http://tandem-jaeger.{NAMESPACE}.svc:4317"),
+    (("tracing.collector.enabled=true", "tracing.jaeger.enabled=true"),
+     f"http://tandem-collector.{NAMESPACE}.svc:4317"),
+], ids=["off", "endpoint", "jaeger", "collector"])
+def test_tracing_endpoint_reaches_every_component(helm: dict, sets: tuple, expected: str) -> None:
+    objects = render("helm4", (), sets)
+    assert _endpoint_env(objects) == expected
+    assert one(objects, "TandemService")["spec"]["tracing"]["endpoint"] == expected
+    container = one(objects, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(container)
+    assert env["OTEL_SERVICE_NAME"] == "tandem-operator"
+    assert "k8s.pod.name=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    assert ("OTEL_TRACES_SAMPLER" in env) == bool(expected)
+
+
+def test_collector_forwards_to_jaeger_and_upstream(helm: dict) -> None:
+    objects = render("helm4", ("ci/tracing-values.yaml",))
+    config = yaml.safe_load(one(objects, "ConfigMap", "collector")["data"]["config.yaml"])
+    exporters = config["exporters"]
+    assert exporters["otlp_grpc/jaeger"]["endpoint"] == (
+        f"http://tandem-jaeger.{NAMESPACE}.svc:4317")
+    assert exporters["otlp_grpc/upstream"]["endpoint"] == "http://otel-gateway.monitoring.svc:4317"
+    pipeline = config["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"]
+    assert set(pipeline["exporters"]) == set(exporters)
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
+    service = one(objects, "TandemService")["spec"]["tracing"]
+    assert service == {"endpoint": f"http://tandem-collector.{NAMESPACE}.svc:4317",
+                       "sampler": "parentbased_always_on", "ratio": "1"}
+
+
+def test_services_select_their_pods(helm: dict) -> None:
+    """Each Service's selector matches the pods of exactly one workload, on a declared port."""
+    objects = render("helm4", ALL_ON, ALL_ON_SETS)
+    services = find(objects, "Service")
+    assert {s["metadata"]["name"] for s in services} == {"tandem-collector", "tandem-jaeger"}
+    for service in services:
+        selector = service["spec"]["selector"].items()
+        pods = [o["spec"]["template"] for o in find(objects, "Deployment")
+                if selector <= o["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(pods) == 1, service["metadata"]["name"]
+        names = {p["name"] for c in pods[0]["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+    for deployment in find(objects, "Deployment"):
+        template_labels = deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels
+        assert "app.kubernetes.io/version" not in deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_pass_through_blocks(helm: dict) -> None:
+    objects = render("helm4", ("ci/watch-namespaces-values.yaml",), (
+        'imagePullSecrets=[{"name":"regcred"}]',
+        'operator.affinity={"nodeAffinity":{"preferredDuringSchedulingIgnoredDuringExecution":'
+        '[{"weight":1,"preference":{"matchExpressions":[{"key":"a","operator":"Exists"}]}}]}}'))
+    pod = one(objects, "Deployment", "operator")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert pod["tolerations"] == [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
+    assert pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert env_of(container)["OTEL_EXPORTER_OTLP_CERTIFICATE"] == "/etc/ssl/cluster-ca/ca.crt"
+    assert {"name": "ca", "configMap": {"name": "cluster-ca"}} in pod["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/cluster-ca", "readOnly": True} in container[
+        "volumeMounts"]
+    assert one(objects, "TandemService")["spec"]["image"]["pullSecrets"] == ["regcred"]
+    for _, hook_pod in pod_specs(objects):
+        assert hook_pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
+    spec = one(render("helm4", ("ci/cells-values.yaml",)), "TandemService")["spec"]
+    assert spec["cells"] == 3 and spec["worker"]["workersPerCell"] == 2
+    assert spec["model"] == {"name": "custom", "path": "/models/tandem-small",
+                             "claimName": "tandem-models"}
+    assert spec["placement"]["maxCellsPerNode"] == 2
+    assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert spec["scheduler"]["env"] == [{"name": "TANDEM_MAX_NUM_SEQS", "value": "32"}]
+
+
+def test_podmonitor_follows_watched_namespaces(helm: dict) -> None:
+    monitor = one(render("helm4", ALL_ON, ALL_ON_SETS), "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    everywhere = one(render("helm4", (), ALL_ON_SETS), "PodMonitor")
+    assert everywhere["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_pod_security_hook_labels_only_the_release_namespace(helm: dict) -> None:
+    objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
+    role = one(objects, "ClusterRole", "podsecurity")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["namespaces"],
+                              "resourceNames": [NAMESPACE], "verbs": ["get", "patch"]}]
+    job = one(objects, "Job", "podsecurity")
+    assert "pre-install" in job["metadata"]["annotations"]["helm.sh/hook"]
+    assert not find(render("helm4"), "Job", "podsecurity")
+
+
+def test_notes_guide_the_user(helm: dict) -> None:
+    def notes(*sets: str) -> str:
+        proc = run_helm("helm4", "install", RELEASE, str(CHART), "--dry-run=client",
+                        "--namespace", NAMESPACE, *[f for s in sets for f in ("--set", s)])
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split("NOTES:", 1)[1]
+
+    default = notes()
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE} 50051:50051" in default
+    assert "tandem generate --target localhost:50051" in default
+    assert "pod-security.kubernetes.io/enforce=privileged" in default
+    assert "Traces: off" in default
+    traced = notes("tracing.jaeger.enabled=true", "podSecurity.labelNamespace=true")
+    assert "WARNING" not in traced
+    assert f"port-forward svc/{RELEASE}-jaeger 16686:16686" in traced
