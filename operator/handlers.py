@@ -84,6 +84,13 @@ def changed_status(status: Mapping[str, Any], payload: Mapping[str, Any]) -> dic
     return {k: v for k, v in payload.items() if status.get(k) != v}
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account, else $KUBECONFIG, read when kopf logs in (kopf's default
+    via the client library would use the KUBECONFIG seen when `kubernetes` was imported)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)

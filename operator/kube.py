@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,7 +62,9 @@ class KubeApi:
         try:
             kubernetes.config.load_incluster_config(client_configuration=config)
         except ConfigException:
-            kubernetes.config.load_kube_config(client_configuration=config)
+            # KUBECONFIG is read now: the client's own default was fixed when it was imported.
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                               client_configuration=config)
         return cls(kubernetes.client.ApiClient(config))
 
     def close(self) -> None:

@@ -253,8 +253,10 @@ async def cleanup_segments(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
     (Jobs still running, cells skipped because their node is gone)."""
     pending, skipped = [], []
     for cell in cells:
+        if not cell.node:
+            continue  # never placed: nothing on any node
         if cell.node not in nodes:
-            skipped.append(f"cell {cell.index} (node {cell.node or 'none'} is gone)")
+            skipped.append(f"cell {cell.index} (node {cell.node} is gone)")
             continue
         job = build_cleanup_job(spec, cell.index, cell.node)
         kopf.adopt(job, owner=owner)
