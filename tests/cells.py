@@ -86,6 +86,7 @@ def png(seed: int, width: int = 112, height: int = 84) -> bytes:
 def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell]:
     """``tandem serve`` with its segment under ``tmp``; stopped (SIGTERM) afterwards."""
     port = free_port()
+    tmp.mkdir(parents=True, exist_ok=True)
     shm_dir = tmp / "shm"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--shm-dir", str(shm_dir), "--kv-cache-size", "16Mi", "--log-level", "WARNING",
