@@ -1,0 +1,192 @@
+"""The pure manifest builders: field asserts, and every manifest through kubernetes-validate
+--strict for Kubernetes 1.30 and the newest version the package bundles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from kube_emulator.fixtures import tandem_spec
+from tandem_operator.manifests import (
+    build_cleanup_job,
+    build_configmap,
+    build_service,
+    cell_config,
+    config_hash,
+    endpoint,
+)
+from tandem_operator.placement import Cell
+from tandem_operator.workloads import build_pod_template, build_statefulset
+
+GI = 1 << 30
+CELL = Cell(index=1, node="gpu-7", cache_bytes=3 * GI, requested_bytes=4 * GI, generation=5)
+VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = obj["spec"]["template"]["spec"]["containers"]
+    return containers[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def every_manifest() -> list[dict[str, Any]]:
+    spec = tandem_spec({
+        "cells": 2, "model": {"path": "/models/m", "claimName": "weights"},
+        "image": {"pullSecrets": ["ghcr"]},
+        "tracing": {"endpoint": "otel-collector:4317"},
+        "worker": {"workersPerCell": 2, "env": [{"name": "TANDEM_KV_CACHE_SIZE", "value": "1Gi"}]},
+        "placement": {"nodeSelector": {"pool": "gpu"},
+                      "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                      "affinity": {"podAntiAffinity": {
+                          "preferredDuringSchedulingIgnoredDuringExecution": [{
+                              "weight": 10, "podAffinityTerm": {
+                                  "topologyKey": "kubernetes.io/hostname",
+                                  "labelSelector": {"matchLabels": {"app": "db"}}}}]}}}})
+    template = build_pod_template(spec, CELL, "worker")
+    pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
+           "metadata": {**template["metadata"], "name": "p", "namespace": "serving"}}
+    return [build_configmap(spec, CELL), build_statefulset(spec, CELL, "scheduler"),
+            build_statefulset(spec, CELL, "worker"), build_service(spec),
+            build_service(spec, headless=True), build_cleanup_job(spec, 1, "gpu-7"),
+            build_cleanup_job(spec, 1, "gpu-7", generation=4), pod]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_manifest_passes_strict_schema_validation(version: str) -> None:
+    for obj in every_manifest():
+        kubernetes_validate.validate(obj, version, strict=True)
+    typo = every_manifest()[1]
+    container(typo)["livenesProbe"] = {}  # the validator does catch unknown fields
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, version, strict=True)
+
+
+def test_configmap_carries_the_cell_settings() -> None:
+    spec = tandem_spec({"worker": {"workersPerCell": 2}, "prefixCache": {"enabled": False}})
+    cm = build_configmap(spec, CELL)
+    assert cm["metadata"]["name"] == "demo-1-config"
+    assert cm["data"] == {
+        "TANDEM_SHM_DIR": "/var/run/tandem",
+        "TANDEM_MODEL": "tiny",
+        "TANDEM_MM_CACHE": "shm",
+        "TANDEM_MM_CACHE_SIZE": str(3 * GI),
+        "TANDEM_MM_CACHE_MAX_OBJECT_SIZE": str(64 << 20),
+        "TANDEM_ENABLE_PREFIX_CACHING": "false",
+        "TANDEM_BLOCK_SIZE": "16",
+        "TANDEM_WORKERS": "2",
+        "TANDEM_WORKER_ADDRESSES": "unix:///var/run/tandem/worker-0.sock,"
+                                   "unix:///var/run/tandem/worker-1.sock",
+        "TANDEM_DEVICE": "auto",
+        "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=serving,tandem.service=demo,tandem.cell=1",
+    }
+    assert cm["metadata"]["annotations"]["tandem.dev/config-hash"] == config_hash(cm["data"])
+
+
+def test_tracing_settings_only_when_an_endpoint_is_set() -> None:
+    data = cell_config(tandem_spec({"tracing": {"endpoint": "c:4317", "ratio": "1"}}), CELL)
+    assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "c:4317"
+    assert data["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert data["OTEL_TRACES_SAMPLER_ARG"] == "1"
+
+
+def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
+    sts = build_statefulset(tandem_spec({}), CELL, "scheduler")
+    assert sts["metadata"]["name"] == "demo-1-scheduler" and sts["spec"]["replicas"] == 1
+    pod = sts["spec"]["template"]
+    affinity = pod["spec"]["affinity"]
+    assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": ["gpu-7"]}]}]}
+    [anti] = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["labelSelector"]["matchExpressions"] == [
+        {"key": "tandem.dev/cell", "operator": "NotIn", "values": ["1"]}]
+    c = container(sts)
+    assert c["command"] == ["tandem", "scheduler"]
+    assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0"
+    # the cache bytes are charged to the scheduler: default 1Gi request / 2Gi limit + 3Gi
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": str(4 * GI)},
+                              "limits": {"memory": str(5 * GI)}}
+    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.Generation"}
+    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert c["livenessProbe"]["failureThreshold"] > 1
+    assert c["startupProbe"]["failureThreshold"] == 360
+    assert c["ports"][0] == {"name": "grpc", "containerPort": 50051, "protocol": "TCP"}
+    assert env_of(c)["TANDEM_LISTEN"] == "0.0.0.0:50051"
+    assert env_of(c)["TANDEM_METRICS_PORT"] == "9400"
+    assert c["envFrom"] == [{"configMapRef": {"name": "demo-1-config"}}]
+    assert c["volumeMounts"] == [{"name": "cell", "mountPath": "/var/run/tandem",
+                                  "subPath": "gen-5"}]
+    assert pod["spec"]["volumes"] == [{"name": "cell", "hostPath": {
+        "path": "/dev/shm/tandem/serving.demo.1", "type": "DirectoryOrCreate"}}]
+    init = pod["spec"]["initContainers"][0]
+    assert init["command"][-4:] == ["/var/run/tandem-cell", "gen-5", "1000:1000", "true"]
+    assert pod["metadata"]["annotations"]["tandem.dev/segment-generation"] == "5"
+
+
+def test_workers_follow_their_scheduler_and_get_rank_gpus_and_shm() -> None:
+    spec = tandem_spec({"worker": {"workersPerCell": 2, "gpu": {"count": 2}}})
+    sts = build_statefulset(spec, CELL, "worker")
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    pod = sts["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "scheduler"
+    assert term["labelSelector"]["matchLabels"]["tandem.dev/cell"] == "1"
+    assert "podAntiAffinity" not in pod["affinity"]
+    c = container(sts)
+    assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0-cuda"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    env = env_of(c)
+    assert env["TANDEM_WORKER_RANK"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert env["TANDEM_WORKER_LISTEN"] == "0.0.0.0:50061"
+    assert env["TANDEM_METRICS_PORT"] == "9401"
+    assert c["readinessProbe"]["grpc"] == {"port": 50061, "service": ""}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(GI)}} in pod[
+        "volumes"]
+    assert pod["initContainers"][0]["command"][-1] == "false"  # workers never prune
+
+
+def test_cpu_workers_use_the_plain_image_and_no_gpus() -> None:
+    spec = tandem_spec({"worker": {"device": "cpu", "gpu": {"count": 0}},
+                        "sharedMemory": {"disabled": True}})
+    c = container(build_statefulset(spec, CELL, "worker"))
+    assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0"
+    assert "limits" not in c["resources"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["cell"]
+
+
+def test_a_new_size_changes_the_hash_on_the_pod_templates() -> None:
+    spec = tandem_spec({})
+    smaller = Cell(1, "gpu-7", 2 * GI, 2 * GI, 6)
+    before = build_statefulset(spec, CELL, "worker")["spec"]["template"]["metadata"]
+    after = build_statefulset(spec, smaller, "worker")["spec"]["template"]["metadata"]
+    key = "tandem.dev/config-hash"
+    assert before["annotations"][key] != after["annotations"][key]
+
+
+def test_services_select_every_cells_scheduler() -> None:
+    spec = tandem_spec({})
+    svc, headless = build_service(spec), build_service(spec, headless=True)
+    assert svc["spec"]["selector"] == headless["spec"]["selector"] == {
+        "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "scheduler"}
+    assert headless["spec"]["clusterIP"] == "None" and svc["spec"]["type"] == "ClusterIP"
+    assert endpoint(spec) == "dns:///demo.serving.svc:50051"
+
+
+def test_cleanup_job_is_pinned_and_removes_only_its_target() -> None:
+    spec = tandem_spec({})
+    job = build_cleanup_job(spec, 1, "gpu-7")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeName"] == "gpu-7" and pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["containers"][0]["command"] == ["rm", "-rf", "--", "/host/serving.demo.1"]
+    assert pod["volumes"][0]["hostPath"]["path"] == "/dev/shm/tandem"
+    old = build_cleanup_job(spec, 1, "gpu-7", generation=4)
+    assert old["metadata"]["name"] == "demo-1-cleanup-g4"
+    assert old["spec"]["template"]["spec"]["containers"][0]["command"][-1] == (
+        "/host/serving.demo.1/gen-4")
