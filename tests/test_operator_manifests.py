@@ -123,7 +123,7 @@ def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
     assert pod["spec"]["volumes"] == [{"name": "cell", "hostPath": {
         "path": "/dev/shm/tandem/serving.demo.1", "type": "DirectoryOrCreate"}}]
     init = pod["spec"]["initContainers"][0]
-    assert init["command"][-4:] == ["/var/run/tandem-cell", "gen-5", "1000:1000", "true"]
+    assert init["command"][-4:] == ["/var/run/tandem-cell", "gen-5", "10001:10001", "true"]
     assert pod["metadata"]["annotations"]["tandem.dev/segment-generation"] == "5"
 
 

@@ -1,0 +1,148 @@
+"""The CRD is the single source of the TandemService schema and its defaults: the operator's
+parser, the status it writes and every example in docs/ must agree with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kube_emulator.fixtures import CRD_PATH, REPO, SCHEMA, defaulted_spec, tandem_spec
+from kube_emulator.schema import apply_defaults, cel_rules, load_crd, validation_errors
+from tandem_operator.conditions import PodInfo, invalid_spec_conditions
+from tandem_operator.placement import Cell
+from tandem_operator.reconcile import ServiceState, status_payload
+from tandem_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec
+
+import tandem
+
+EXAMPLES = sorted((REPO / "docs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_crd_passes_strict_schema_validation(version: str) -> None:
+    kubernetes_validate.validate(load_crd(CRD_PATH), version, strict=True)
+
+
+def test_crd_names_and_subresources() -> None:
+    crd = load_crd(CRD_PATH)
+    spec = crd["spec"]
+    assert (spec["group"], spec["names"]["kind"], spec["names"]["plural"]) == (GROUP, KIND, PLURAL)
+    assert spec["scope"] == "Namespaced" and spec["names"]["shortNames"] == ["tsvc"]
+    [version] = spec["versions"]
+    assert version["name"] == VERSION and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.cells"
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Reason", "Cells", "Cache", "Age", "Endpoint"]
+
+
+def test_default_image_is_this_version() -> None:
+    image = defaulted_spec()["image"]
+    assert image["repository"] == "ghcr.io/tandem-dev/tandem"
+    assert image["tag"] == tandem.__version__
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == KIND]
+
+
+def test_there_are_examples() -> None:
+    assert sum(len(documents(p)) for p in EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_example_validates_and_parses(path: Path) -> None:
+    for doc in documents(path):
+        assert list(validation_errors(SCHEMA, doc)) == [], path
+        apply_defaults(SCHEMA, doc)
+        assert list(validation_errors(SCHEMA, doc)) == [], path
+        parse_spec(doc["metadata"]["name"], doc["metadata"]["namespace"], doc["spec"])
+
+
+def test_unknown_fields_and_bad_values_are_caught() -> None:
+    doc = {"apiVersion": "tandem.dev/v1alpha1", "kind": KIND, "metadata": {"name": "x"},
+           "spec": {"featureCache": {"sise": "1Gi", "size": "lots"}, "cells": -1}}
+    errors = "\n".join(validation_errors(SCHEMA, doc))
+    assert "sise" in errors and "spec.featureCache.size" in errors and "spec.cells" in errors
+
+
+class Recording(dict):  # type: ignore[type-arg]
+    """A dict that records the path of every key read from it (and from nested dicts)."""
+
+    def __init__(self, data: dict[str, Any], path: str, seen: set[str]) -> None:
+        super().__init__(data)
+        self.path, self.seen = path, seen
+
+    def _wrap(self, key: str, value: Any) -> Any:
+        self.seen.add(f"{self.path}.{key}")
+        return Recording(value, f"{self.path}.{key}", self.seen) if isinstance(
+            value, dict) else value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._wrap(key, super().__getitem__(key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(f"{self.path}.{key}")
+        return self._wrap(key, super().__getitem__(key)) if key in self else default
+
+
+def declared(path: str) -> bool:
+    node: dict[str, Any] = SCHEMA
+    for key in path.split("."):
+        props = node.get("properties") or {}
+        if key in props:
+            node = props[key]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return False
+    return True
+
+
+def test_the_parser_reads_only_declared_fields_and_needs_only_defaults() -> None:
+    seen: set[str] = set()
+    spec = defaulted_spec({"model": {"path": "/m", "claimName": "c"},
+                           "placement": {"nodeSelector": {"a": "b"}}})
+    parse_spec("demo", "ns", Recording(spec, "spec", seen))
+    undeclared = sorted(p for p in seen if not declared(p))
+    assert undeclared == []
+    assert {"spec.featureCache.size", "spec.worker.gpu.resourceName"} <= seen
+
+
+def test_a_spec_without_the_crd_defaults_is_refused_clearly() -> None:
+    with pytest.raises(SpecError, match="install the CRD from charts/tandem/crds"):
+        parse_spec("demo", "ns", {"cells": 1})
+
+
+def test_cel_rules_are_known_and_mirrored_by_the_parser() -> None:
+    assert sorted(rule for _, rule in cel_rules(SCHEMA)) == sorted([
+        "size(self.metadata.name) <= 36",
+        "!has(self.claimName) || has(self.path)",
+        "!self.device.startsWith('cuda') || self.gpu.count > 0",
+        "self.workersPerCell % self.tensorParallelSize == 0",
+    ])
+    with pytest.raises(SpecError, match="device cuda needs"):
+        tandem_spec({"worker": {"device": "cuda", "gpu": {"count": 0}}})
+
+
+@pytest.mark.parametrize("patch", [{"worker": {"tensorParallelSize": 2, "workersPerCell": 2}},
+                                   {"router": {"enabled": True}}])
+def test_reserved_fields_are_refused_for_now(patch: dict[str, Any]) -> None:
+    with pytest.raises(SpecError, match="not supported by this operator version"):
+        tandem_spec(patch)
+
+
+def test_status_the_operator_writes_is_declared_and_never_pruned() -> None:
+    spec = tandem_spec({"cells": 2})
+    state = ServiceState([Cell(0, "a", 1 << 30, 4 << 30, 3), Cell(1, "", 0, 4 << 30, 0, "no")],
+                         rejected={0: "violates PodSecurity"})
+    pods = [PodInfo("p", "scheduler", 0, "a", True, "x", False)]
+    status = status_payload(spec, state, pods, {}, "2026-01-01T00:00:00Z", 4)
+    status["observedGeneration"] = 4
+    status_schema = SCHEMA["properties"]["status"]
+    assert list(validation_errors(status_schema, status)) == []
+    invalid = {"conditions": invalid_spec_conditions("bad", [], "2026-01-01T00:00:00Z", 1)}
+    assert list(validation_errors(status_schema, invalid)) == []
