@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -153,6 +154,13 @@ def with_defaults(schema: Mapping[str, Any], value: Any) -> Any:
 
 def validate_object(obj: dict, kube_version: str) -> None:
     """kubernetes-validate --strict for built-in kinds; the CRD schema for TandemServices."""
+    _validate_json(json.dumps(obj, sort_keys=True), kube_version)
+
+
+@functools.cache
+def _validate_json(text: str, kube_version: str) -> None:
+    """Cached by content: most objects are the same in every values case and Helm major."""
+    obj = json.loads(text)
     if obj["kind"] == "TandemService":
         jsonschema.Draft7Validator(closed(crd_schema())).validate(obj)
         assert len(obj["metadata"]["name"]) <= 40, "the CRD's CEL rule on the name"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from tandem_operator.main import parser as operator_parser
 from tandem_operator.spec import parse_spec
 from test_chart_harness import (
     ALL_ON,
@@ -111,8 +112,7 @@ def test_operator_deployment(helm: dict) -> None:
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["tandem"]
-    assert container["args"][:4] == ["operator", "--standalone",
-                                     "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces"]
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8080/healthz"]
     probe = container["livenessProbe"]
     assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
@@ -126,12 +126,14 @@ def test_operator_watches_the_listed_namespaces(helm: dict) -> None:
     objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
     args = one(objects, "Deployment", "operator")["spec"]["template"]["spec"]["containers"][0][
         "args"]
-    assert "--all-namespaces" not in args
-    assert args[3:] == ["--namespace=team-a", "--namespace=team-b", "--verbose"]
+    assert args[2:] == ["--namespace=team-a", "--namespace=team-b", "--verbose"]
+    options = operator_parser().parse_args(args[1:])
+    assert options.namespace == ["team-a", "team-b"] and options.peering is None
 
 
 def test_commands_parse_with_the_tandem_cli(helm: dict) -> None:
-    """Every container that runs `tandem` passes arguments the real CLI accepts."""
+    """Every container that runs `tandem` passes arguments the real CLI accepts (for
+    `tandem operator`, both the command line and the operator's own options)."""
     parser = build_parser()
     seen = set()
     for _, pod in pod_specs(render("helm4", ALL_ON, ALL_ON_SETS)):
@@ -140,6 +142,10 @@ def test_commands_parse_with_the_tandem_cli(helm: dict) -> None:
                 args = parser.parse_args(c["args"])
                 seen.add(c["args"][0])
                 assert callable(args.func)
+                if c["args"][0] == "operator":
+                    assert args.kopf_args == c["args"][1:]
+                    assert operator_parser().parse_args(args.kopf_args).liveness == (
+                        "http://0.0.0.0:8080/healthz")
     assert seen == {"operator", "generate"}
 
 

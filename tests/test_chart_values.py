@@ -173,34 +173,50 @@ def _merged(base: Any, overlay: Any) -> Any:
     return overlay
 
 
-def documented_keys() -> list[str]:
-    """Dotted paths of the keys with a `# --` comment. Fails on a key that has none and is not
-    inside a documented key or a section whose keys are all documented."""
-    documented, stack, comment = [], [], False
+def documented_keys() -> dict[str, str]:
+    """Dotted path -> description of the keys with a `# --` comment. Fails on a key that has
+    none and is not inside a documented key or a section whose keys are all documented."""
+    documented, stack, comment = {}, [], []
     lines = VALUES_TEXT.splitlines()
     for number, line in enumerate(lines):
         stripped = line.strip()
         if stripped.startswith("#"):
-            comment = comment or stripped.startswith("# --")
+            if stripped.startswith("# --"):
+                comment = [stripped.removeprefix("# --").strip()]
+            elif comment:
+                comment.append(stripped.removeprefix("#").strip())
             continue
         match = re.match(r"^( *)([\w.-]+):(.*)$", line)
         if not match:
-            comment = False
+            comment = []
             continue
         indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
         while stack and stack[-1][0] >= indent:
             stack.pop()
         inherited = any(doc for _, _, doc in stack)
-        path = [k for _, k, _ in stack] + [key]
         following = next((x for x in lines[number + 1:] if x.strip()
                           and not x.strip().startswith("#")), "")
         is_section = not rest and len(following) - len(following.lstrip()) > indent
         assert inherited or comment or is_section, f"values.yaml:{number + 1}: {key} undocumented"
         if comment and not inherited:
-            documented.append(".".join(path))
-        stack.append((indent, key, comment or inherited))
-        comment = False
+            documented[".".join([k for _, k, _ in stack] + [key])] = " ".join(comment)
+        stack.append((indent, key, bool(comment) or inherited))
+        comment = []
     return documented
+
+
+def values_table() -> str:
+    """The README's values table, generated from values.yaml: print it with
+    `python -c 'import sys; sys.path[:0] = ["tests"]; import test_chart_values as t;
+    print(t.values_table())'`."""
+    rows = ["| key | default | description |", "|---|---|---|"]
+    for key, description in documented_keys().items():
+        node: Any = VALUES
+        for part in key.split("."):
+            node = node[part]
+        cell = description.replace("|", "\\|")
+        rows.append(f"| `{key}` | `{json.dumps(node)}` | {cell} |")
+    return "\n".join(rows) + "\n"
 
 
 def test_values_file_is_small_and_documented() -> None:
@@ -211,11 +227,4 @@ def test_values_file_is_small_and_documented() -> None:
 
 def test_readme_lists_every_documented_value() -> None:
     readme = (CHART / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `([\w.]+)` \| `(.*?)` \|", readme, flags=re.M))
-    keys = documented_keys()
-    assert set(rows) == set(keys), set(rows) ^ set(keys)
-    for key in keys:
-        node: Any = VALUES
-        for part in key.split("."):
-            node = node[part]
-        assert rows[key] == json.dumps(node), key
+    assert values_table() in readme, "regenerate the table (see values_table)"

@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 import yaml
+from tandem_operator.spec import default_worker_image
 
 import tandem
 
@@ -129,13 +130,14 @@ def test_build_context_keeps_what_pip_needs() -> None:
 
 
 def test_documented_tags_are_the_chart_defaults() -> None:
-    """`helm install` with default values pulls exactly what the documented builds produce."""
+    """`helm install` with default values pulls exactly what the documented builds produce: the
+    chart's image for the operator and schedulers, the operator's CUDA variant for GPU workers."""
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     image = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
     assert chart["appVersion"] == tandem.__version__ == PYPROJECT["project"]["version"]
-    default = f"{image['repository']}:{image['tag'] or chart['appVersion']}"
+    image = {"repository": image["repository"], "tag": image["tag"] or chart["appVersion"]}
     tags = {tag for argv in documented_builds() for tag in option_values(argv, "-t")}
-    assert tags == {default, default + image["cudaTagSuffix"]}
+    assert tags == {default_worker_image(image, "cpu", 0), default_worker_image(image, "cuda", 1)}
     for argv in documented_builds():
         assert option_values(argv, "-f") == ["docker/Dockerfile"] and argv[-1] == "."
 

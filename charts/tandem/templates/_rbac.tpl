@@ -1,49 +1,62 @@
 {{/*
-The operator's permissions, exactly the API calls in operator/ (tests/test_chart_rbac.py compares
-them with the source, so a new call without a rule, or a rule nobody uses, fails CI).
+The operator's permissions: exactly the API calls of operator/ and of kopf on its behalf.
+tests/test_chart_rbac.py derives the same list from the source (kopf's handler registry and the
+KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails CI.
 */}}
 
-{{/* Cluster-scoped reads, needed whatever namespaces are watched. */}}
+{{/* Cluster-scoped reads, whatever namespaces are served. */}}
 {{- define "tandem.operator.clusterRules" -}}
-# Placement: the node index (allocatable GPU and memory, labels, taints).
+# The node index of placement (kopf.index: list + watch).
 - apiGroups: [""]
   resources: [nodes]
-  verbs: [get, list, watch]
-# kopf resolves the resources it serves from the CRDs.
+  verbs: [list, watch]
+# kopf finds the resources it serves by watching the CRDs.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
-# kopf follows the set of namespaces it serves.
+  verbs: [list, watch]
+{{- if .Values.operator.watchNamespaces }}
+# Serving a list of namespaces, kopf watches them come and go.
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
 {{- end }}
+{{- end }}
 
-{{/* Namespaced rules: in the ClusterRole (all namespaces) or in one Role per watched namespace. */}}
+{{/* Namespaced rules: in the ClusterRole (all namespaces) or in one Role per served namespace. */}}
 {{- define "tandem.operator.namespacedRules" -}}
-# The served resource: handlers, finalizer and progress annotations, status.
+# The served resource: kopf lists and watches it and patches finalizers and progress annotations,
+# the handlers patch its status.
 - apiGroups: [tandem.dev]
   resources: [tandemservices]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [tandem.dev]
   resources: [tandemservices/status]
-  verbs: [get, patch]
-# The pod index (colocation checks) and repair of misplaced workers.
+  verbs: [patch]
+# kopf.adopt sets blockOwnerDeletion on the children's owner references, which clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin allow only with this.
+- apiGroups: [tandem.dev]
+  resources: [tandemservices/finalizers]
+  verbs: [update]
+# Pod indexes (list + watch), the Pod Security dry run of a cell's pod (create), and deleting a
+# worker that runs on another node than its scheduler (delete).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, patch, delete]
-# Children of each cell.
+  verbs: [list, watch, create, delete]
+# A cell's children: created or merge-patched, deleted on scale-down (Services only by GC).
 - apiGroups: [""]
-  resources: [services, configmaps]
-  verbs: [get, list, watch, create, patch, delete]
+  resources: [configmaps]
+  verbs: [create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch]
 - apiGroups: [apps]
-  resources: [deployments, statefulsets]
-  verbs: [get, list, watch, create, patch, delete]
-# Segment cleanup on deletion.
+  resources: [statefulsets]
+  verbs: [list, create, patch, delete]
+# Segment cleanup Jobs: created once, then read until they finish.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch, delete]
-# kopf posts handler outcomes and repairs as Events.
+  verbs: [get, create]
+# Events from kopf (handler outcomes) and the handlers (repairs, scale-down).
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
