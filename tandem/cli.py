@@ -160,6 +160,19 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run(args.kopf_args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from tandem.router.server import RouterConfig, serve
+
+    cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
+    if not cells:
+        print("tandem router: --cells (or TANDEM_ROUTER_CELLS) names no cell", file=sys.stderr)
+        return 2
+    asyncio.run(serve(RouterConfig(
+        cells=cells, listen=args.listen, load_factor=args.load_factor,
+        block_size=args.block_size, health_interval=args.health_interval)))
+    return 0
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
     from worker_svc.checkpoint import export_model
 
@@ -216,6 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("kopf_args", nargs=argparse.REMAINDER, help="extra arguments for kopf run")
+
+    p = add("router", cmd_router, "route Generate across cells by cache affinity")
+    p.add_argument("--cells", default=_env("ROUTER_CELLS", ""),
+                   help="comma-separated host:port of the cells' schedulers")
+    p.add_argument("--listen", default=_env("LISTEN", "localhost:50050"))
+    p.add_argument("--load-factor", type=float, default=float(_env("ROUTER_LOAD_FACTOR", "1.25")),
+                   help="a cell above this many times the mean in-flight count spills")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
+    p.add_argument("--health-interval", type=float,
+                   default=float(_env("ROUTER_HEALTH_INTERVAL", "1.0")), help="seconds")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
     p = add("export-model", cmd_export_model, "write built-in weights as safetensors")
     p.add_argument("--model", default="tiny")

@@ -1,0 +1,107 @@
+"""The router process: the public Generation API, health, reflection, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import ErrorMappingInterceptor
+from tandem.router.balancer import Balancer
+from tandem.router.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
+from tandem.router.servicer import RouterServicer
+from tandem.v1 import generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of ``tandem router`` (flags and TANDEM_* variables in docs/configuration.md).
+
+    ``block_size`` must equal the cells' KV block size, so that a text prompt's key covers
+    exactly the first block the cells cache.
+    """
+
+    cells: tuple[str, ...]
+    listen: str = "localhost:50050"
+    load_factor: float = 1.25
+    block_size: int = 16
+    health_interval: float = 1.0
+
+
+@dataclass
+class RouterServer:
+    server: grpc.aio.Server
+    port: int
+    pool: CellPool
+    health: health.aio.HealthServicer
+
+    @property
+    def balancer(self) -> Balancer:
+        return self.pool.balancer
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Health NOT_SERVING -> refuse new calls, let in-flight streams finish (up to
+        ``grace``; the rest are cancelled, which cancels them on their cells) -> stop
+        polling and close the cell channels."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.pool.close()
+
+
+async def create_router(config: RouterConfig) -> RouterServer:
+    """Start serving; returns after one round of cell health checks."""
+    health_servicer = health.aio.HealthServicer()
+    balancer = Balancer(config.cells, config.load_factor)
+
+    async def publish() -> None:
+        serving = bool(balancer.healthy)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING
+                                  if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_change() -> None:
+        asyncio.get_running_loop().create_task(publish())
+
+    pool = CellPool(balancer, config.health_interval, on_change)
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
+    generate_pb2_grpc.add_GenerationServicer_to_server(
+        RouterServicer(pool, config.block_size), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await publish()
+    port = server.add_insecure_port(config.listen)
+    await server.start()
+    await pool.start()
+    await publish()
+    log.info("router serving %s on port %d over %d cells (%d up), load factor %.2f",
+             SERVICE_NAME, port, len(config.cells), len(balancer.healthy), config.load_factor)
+    return RouterServer(server, port, pool, health_servicer)
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run until SIGTERM or SIGINT, then shut down in order (see RouterServer.stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await create_router(config)
+    print(f"tandem router listening on {config.listen} over {len(config.cells)} cells "
+          f"(pid {os.getpid()})", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await running.stop()
