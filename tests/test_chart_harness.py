@@ -10,7 +10,6 @@ Test modules register the session fixture with
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import json
@@ -23,6 +22,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kube_emulator.schema import load_crd, validation_errors, version_schema
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "tandem"
@@ -84,9 +84,8 @@ class RenderError(Exception):
 
 
 def render(major: str, values: tuple[str, ...] = (), sets: tuple[str, ...] = ()) -> list[dict]:
-    """The rendered objects (a fresh copy: tests may edit them)."""
-    docs = yaml.safe_load_all(render_text(major, values, sets))
-    return [copy.deepcopy(d) for d in docs if d]
+    """The rendered objects, parsed afresh on every call (tests may edit them)."""
+    return [d for d in yaml.safe_load_all(render_text(major, values, sets)) if d]
 
 
 def find(objects: list[dict], kind: str, component: str | None = None) -> list[dict]:
@@ -116,40 +115,10 @@ def env_of(container: Mapping[str, Any]) -> dict[str, str]:
 
 
 # --- custom resources -----------------------------------------------------------------------
-
-@functools.cache
-def crd_schema() -> dict:
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
-    return version["schema"]["openAPIV3Schema"]
-
-
-def closed(schema: Any) -> Any:
-    """The CRD schema with unknown fields forbidden: the apiserver would silently prune them, so a
-    misspelt or unsupported chart value would vanish without an error."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
-    if ("properties" in schema and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
-        out["additionalProperties"] = False
-    return out
-
-
-def with_defaults(schema: Mapping[str, Any], value: Any) -> Any:
-    """Apply structural defaults as the apiserver does: a missing field gets its default, then
-    defaults apply inside objects (present or defaulted) recursively."""
-    if not isinstance(value, dict) or schema.get("type") != "object":
-        return value
-    out = dict(value)
-    for key, sub in schema.get("properties", {}).items():
-        if key not in out and "default" in sub:
-            out[key] = copy.deepcopy(sub["default"])
-        if key in out:
-            out[key] = with_defaults(sub, out[key])
-    return out
+# The CRD's structural schema as the apiserver applies it (the emulator's implementation, shared
+# with the operator's tests): unknown fields are errors, since the apiserver would silently prune
+# a misspelt or unsupported chart value.
+CRD_SCHEMA = version_schema(load_crd(CRD_FILE))
 
 
 def validate_object(obj: dict, kube_version: str) -> None:
@@ -162,7 +131,8 @@ def _validate_json(text: str, kube_version: str) -> None:
     """Cached by content: most objects are the same in every values case and Helm major."""
     obj = json.loads(text)
     if obj["kind"] == "TandemService":
-        jsonschema.Draft7Validator(closed(crd_schema())).validate(obj)
+        errors = list(validation_errors(CRD_SCHEMA, obj))
+        assert not errors, errors
         assert len(obj["metadata"]["name"]) <= 40, "the CRD's CEL rule on the name"
     elif obj["kind"] == "PodMonitor":
         jsonschema.Draft7Validator(POD_MONITOR_SCHEMA).validate(obj)

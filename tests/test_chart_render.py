@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from kube_emulator.schema import apply_defaults
 from tandem_operator.main import parser as operator_parser
-from tandem_operator.spec import parse_spec
+from tandem_operator.manifests import build_service, endpoint
+from tandem_operator.placement import Cell
+from tandem_operator.spec import TandemSpec, parse_spec
+from tandem_operator.workloads import build_pod_template
 from test_chart_harness import (
     ALL_ON,
     ALL_ON_SETS,
     CHART,
     CI_VALUES,
+    CRD_SCHEMA,
     KUBE_VERSIONS,
     MAJORS,
     NAMESPACE,
     RELEASE,
-    crd_schema,
     env_of,
     find,
     helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
@@ -26,7 +30,6 @@ from test_chart_harness import (
     render,
     run_helm,
     validate_object,
-    with_defaults,
 )
 
 from tandem import __version__
@@ -65,8 +68,8 @@ def test_tandemservice_is_served_by_the_operator(helm: dict, values: tuple[str, 
     """After the apiserver's defaulting, the operator's own parser accepts the chart's object
     (it also applies the rules the CRD states in CEL)."""
     service = one(render("helm4", values), "TandemService")
-    spec = with_defaults(crd_schema()["properties"]["spec"], service["spec"])
-    parsed = parse_spec(service["metadata"]["name"], NAMESPACE, spec)
+    apply_defaults(CRD_SCHEMA, service)
+    parsed = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
     assert parsed.scheduler.image == f"ghcr.io/tandem-dev/tandem:{__version__}"
 
 
@@ -149,16 +152,48 @@ def test_commands_parse_with_the_tandem_cli(helm: dict) -> None:
     assert seen == {"operator", "generate"}
 
 
+def operator_view(objects: list[dict]) -> tuple[TandemSpec, dict, dict]:
+    """The chart's TandemService as the operator serves it: (spec, scheduler pod, Service)."""
+    service = one(objects, "TandemService")
+    apply_defaults(CRD_SCHEMA, service)
+    spec = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
+    cell = Cell(index=0, node="node-a", cache_bytes=1 << 30, requested_bytes=1 << 30,
+                generation=1)
+    return spec, build_pod_template(spec, cell, "scheduler"), build_service(spec)
+
+
 def test_helm_test_checks_health_then_generates(helm: dict) -> None:
-    pod = one(render("helm4"), "Pod", "test")
+    objects = render("helm4")
+    spec, _, service = operator_view(objects)
+    pod = one(objects, "Pod", "test")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    target = f"{RELEASE}.{NAMESPACE}.svc:50051"
+    # The Service the operator creates for the chart's TandemService, on its Generate port.
+    target = f"{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}"
+    assert endpoint(spec) == f"dns:///{target}"
     (health,) = pod["spec"]["initContainers"]
     assert health["command"][:2] == ["python", "-c"] and health["command"][-1] == target
     compile(health["command"][2], "health-check", "exec")
     assert "tandem.v1.Generation" in health["command"][2]
     (generate,) = pod["spec"]["containers"]
     assert generate["args"] == ["generate", "--target", target, "--max-tokens", "4", "hello"]
+
+
+def test_podmonitor_scrapes_the_operators_pods(helm: dict) -> None:
+    objects = render("helm4", (), ALL_ON_SETS)
+    _, pod, _ = operator_view(objects)
+    monitor = one(objects, "PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert {e["port"] for e in monitor["podMetricsEndpoints"]} <= ports
+    env = {e["name"] for c in pod["spec"]["containers"] for e in c["env"]}
+    assert "TANDEM_METRICS_PORT" in env
+
+
+def test_image_user_owns_the_segment(helm: dict) -> None:
+    """The operator hands the segment directory to the pods' user: the image's user."""
+    spec, pod, _ = operator_view(render("helm4"))
+    assert (spec.run_as_user, spec.run_as_group) == (10001, 10001)
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001
 
 
 def test_hook_scripts_compile(helm: dict) -> None:
