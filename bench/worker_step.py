@@ -34,6 +34,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.feature_codec import item_to_parts
+from tandem.features import MultiModalKwargsItem
 from tandem.shm import ShmWriter
 from tandem.tokenizer import BOS_ID
 from tandem.v1 import worker_pb2_grpc
@@ -52,99 +53,100 @@ from worker_svc.synthetic import (
 )
 
 BLOCK_SIZE = 16
+IMAGE_GRID = 16  # patches per side: 64 placeholder tokens per image
 SEGMENT = "features.seg"
 StepFn = Callable[[StepInput], StepOutput]
 
 
-class Recorder:
-    """Wraps a step function: times every call and remembers the model's last inputs."""
+class StepLevel:
+    """One level driven through a step function: a prefill request, then a decode batch."""
 
-    def __init__(self, step_fn: StepFn) -> None:
-        self.step_fn, self.times = step_fn, []
+    def __init__(self, args: argparse.Namespace, model: Transformer, tag: str, step_fn: StepFn,
+                 segment: tuple[str, int] = ("", 0), writer: ShmWriter | None = None) -> None:
+        self.args, self.model, self.tag, self.step_fn = args, model, tag, step_fn
+        self.sched = ScriptedScheduler(BLOCK_SIZE, *segment)
+        self.writer = writer
+        self.times: list[float] = []
 
-    def __call__(self, step: StepInput) -> StepOutput:
+    def _timed(self, step: StepInput) -> StepOutput:
         t0 = time.perf_counter()
         out = self.step_fn(step)
         self.times.append(time.perf_counter() - t0)
         return out
 
+    def prefill(self, rnd: int) -> float:
+        """Seconds of one prefill step (encoder included)."""
+        self.times.clear()
+        self.sched.run(self._timed, [prefill_request(self.args, self.model, f"{self.tag}-p{rnd}",
+                                                     self.writer)])
+        self.step_fn(self.sched.flush())
+        return self.times[0]
 
-def prefill_requests(args: argparse.Namespace, model: Transformer, tag: str,
-                     writer: ShmWriter | None) -> list[ScriptedRequest]:
-    """args.reps requests of ~prompt_tokens with two 16x16-patch images, one token each."""
-    c = model.config
-    images = [(f"img-{i}", synthetic_image(c, 16, 16, seed=i)) for i in range(2)]
-    text = "x" * max(1, (args.prompt_tokens - 2 * 64 - 1) // 3)
-    tokens, features = synthetic_prompt(c, [text, text, text], images)
-    reqs = []
-    for r in range(args.reps + 1):  # the first is an untimed warm-up
-        sent = features
-        if writer is not None:
-            sent = [replace(f, data=writer.hit(k) if writer.is_cached(k)
+    def decode(self, rnd: int) -> float:
+        """Median seconds of a decode step of args.batch requests."""
+        self.times.clear()
+        self.sched.run(self._timed, decode_requests(self.args, f"{self.tag}-d{rnd}"))
+        self.step_fn(self.sched.flush())
+        return statistics.median(self.times[2:])  # skip the prefill and the first decode
+
+
+class BareLevel:
+    """Encoder + ``model(inputs)`` alone, on inputs captured from one runner round."""
+
+    def __init__(self, args: argparse.Namespace, model: Transformer, runner: StepRunner) -> None:
+        self.args, self.model = args, model
+        captured: list[ModelInputs] = []
+        hook = model.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
+        try:
+            level = StepLevel(args, model, "capture", runner.step)
+            level.prefill(0)
+            level.decode(0)
+        finally:
+            hook.remove()
+        self.prefill_inputs, self.decode_inputs = captured[0], captured[-1]
+        self.pixels = [img["pixel_values"].data for _, img in images(model)]
+
+    @torch.inference_mode()
+    def prefill(self, _rnd: int) -> float:
+        t0 = time.perf_counter()
+        for p in self.pixels:
+            self.model.encode_image(p, IMAGE_GRID, IMAGE_GRID)
+        self.model(self.prefill_inputs)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def decode(self, _rnd: int) -> float:
+        times = []
+        for _ in range(self.args.decode_steps):
+            t0 = time.perf_counter()
+            self.model(self.decode_inputs)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def images(model: Transformer) -> list[tuple[str, MultiModalKwargsItem]]:
+    return [(f"img-{i}", synthetic_image(model.config, IMAGE_GRID, IMAGE_GRID, seed=i))
+            for i in range(2)]
+
+
+def prefill_request(args: argparse.Namespace, model: Transformer, rid: str,
+                    writer: ShmWriter | None) -> ScriptedRequest:
+    """~prompt_tokens with two images, one output token; address items when ``writer``."""
+    imgs = images(model)
+    n_image = model.config.num_image_tokens(IMAGE_GRID, IMAGE_GRID)
+    text = "x" * max(1, (args.prompt_tokens - 2 * n_image - 1) // 3)
+    tokens, features = synthetic_prompt(model.config, [text, text, text], imgs)
+    if writer is not None:
+        features = [replace(f, data=writer.hit(k) if writer.is_cached(k)
                             else writer.put(k, item_to_parts(item)))
-                    for f, (k, item) in zip(features, images, strict=True)]
-        reqs.append(ScriptedRequest(f"{tag}-p{r}", tokens, sent, max_new_tokens=1))
-    return reqs
+                    for f, (k, item) in zip(features, imgs, strict=True)]
+    return ScriptedRequest(rid, tokens, features, max_new_tokens=1)
 
 
 def decode_requests(args: argparse.Namespace, tag: str) -> list[ScriptedRequest]:
     tokens = [BOS_ID] + [ord("a") + i % 26 for i in range(63)]
-    return [ScriptedRequest(f"{tag}-d{b}", tokens, [], max_new_tokens=args.decode_steps + 1)
+    return [ScriptedRequest(f"{tag}-{b}", tokens, [], max_new_tokens=args.decode_steps + 1)
             for b in range(args.batch)]
-
-
-def run_level(args: argparse.Namespace, model: Transformer, tag: str, step_fn: StepFn,
-              segment: tuple[str, int] = ("", 0),
-              writer: ShmWriter | None = None) -> tuple[float, float]:
-    """Median prefill step and median decode step (seconds) through ``step_fn``."""
-    sched = ScriptedScheduler(BLOCK_SIZE, *segment)
-    rec = Recorder(step_fn)
-    for req in prefill_requests(args, model, tag, writer):
-        sched.run(rec, [req])
-        step_fn(sched.flush())
-    prefill = statistics.median(rec.times[1:])
-    rec.times.clear()
-    sched.run(rec, decode_requests(args, tag))
-    step_fn(sched.flush())
-    decode = statistics.median(rec.times[2:])  # skip the prefill and the first decode
-    return prefill, decode
-
-
-def bare_level(args: argparse.Namespace, model: Transformer, runner: StepRunner,
-               ) -> tuple[float, float]:
-    """Times encoder + forward alone on inputs captured from runner steps."""
-    captured: list[ModelInputs] = []
-    hook = model.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
-    try:
-        run_level(_with(args, reps=1), model, "capture", runner.step)
-    finally:
-        hook.remove()
-    prefill_inputs, decode_inputs = captured[1], captured[-1]
-    pixels = [synthetic_image(model.config, 16, 16, seed=i)["pixel_values"].data
-              for i in range(2)]
-
-    def prefill() -> None:
-        for p in pixels:
-            model.encode_image(p, 16, 16)
-        model(prefill_inputs)
-
-    return _median_time(prefill, args.reps), _median_time(lambda: model(decode_inputs),
-                                                          args.decode_steps)
-
-
-def _with(args: argparse.Namespace, **changes: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), **changes})
-
-
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    with torch.inference_mode():
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def start_worker(config: WorkerConfig) -> multiprocessing.Process:
@@ -197,8 +199,6 @@ def main() -> None:
     runner = StepRunner(model, receiver=None)
     print_environment(model, device)
 
-    levels = {"bare": bare_level(args, model, runner),
-              "runner": run_level(args, model, "runner", runner.step)}
     proc = start_worker(config)
     try:
         with grpc.insecure_channel(f"unix://{config.socket_path}") as ch, ShmWriter(
@@ -208,28 +208,50 @@ def main() -> None:
             def grpc_step(s: StepInput) -> StepOutput:
                 return step_output_from_proto(stub.Step(step_to_proto(s), timeout=600))
 
-            levels["grpc"] = run_level(args, model, "grpc", grpc_step,
-                                       (SEGMENT, writer.generation), writer)
+            levels: dict[str, Level] = {
+                "bare": BareLevel(args, model, runner),
+                "runner": StepLevel(args, model, "runner", runner.step),
+                "grpc": StepLevel(args, model, "grpc", grpc_step, (SEGMENT, writer.generation),
+                                  writer),
+            }
+            rounds = run_rounds(args, levels)
     finally:
         proc.terminate()
         proc.join(30)
-    report(args, model, levels)
+    report(args, model, rounds)
 
 
-def report(args: argparse.Namespace, model: Transformer,
-           levels: dict[str, tuple[float, float]]) -> None:
+Level = StepLevel | BareLevel
+Round = dict[str, tuple[float, float]]  # level -> (prefill s, decode step s)
+
+
+def run_rounds(args: argparse.Namespace, levels: dict[str, Level]) -> list[Round]:
+    """Interleaved rounds (every level once per round), so load changes hit all levels alike;
+    round 0 warms up and is dropped."""
+    rounds = []
+    for rnd in range(args.reps + 1):
+        rounds.append({name: (lv.prefill(rnd), lv.decode(rnd)) for name, lv in levels.items()})
+    return rounds[1:]
+
+
+def report(args: argparse.Namespace, model: Transformer, rounds: list[Round]) -> None:
+    """Medians per level, and medians of the per-round ratios to the bare level."""
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    prompt = len(prefill_requests(_with(args, reps=0), model, "n", None)[0].token_ids)
-    bare_p, bare_d = levels["bare"]
+    prompt = len(prefill_request(args, model, "n", None).token_ids)
     print(f"{'level':8}{'prefill ms':>12}{'tok/s':>10}{'GFLOP/s':>10}{'x bare':>8}"
           f"{'decode ms':>12}{'tok/s':>10}{'GB/s':>8}{'x bare':>8}")
-    for name, (p, d) in levels.items():
+    for name in rounds[0]:
+        p = statistics.median(r[name][0] for r in rounds)
+        d = statistics.median(r[name][1] for r in rounds)
+        p_ratio = statistics.median(r[name][0] / r["bare"][0] for r in rounds)
+        d_ratio = statistics.median(r[name][1] / r["bare"][1] for r in rounds)
         print(f"{name:8}{p * 1e3:12.1f}{prompt / p:10.0f}{2 * params * prompt / p / 1e9:10.1f}"
-              f"{p / bare_p:8.2f}{d * 1e3:12.2f}{args.batch / d:10.0f}"
-              f"{weight_bytes / d / 1e9:8.2f}{d / bare_d:8.2f}")
-    print(f"\nprefill: one step of {prompt} tokens with 2 images (encoder included); "
-          f"decode: {args.batch} requests, one token each per step")
+              f"{p_ratio:8.2f}{d * 1e3:12.2f}{args.batch / d:10.0f}"
+              f"{weight_bytes / d / 1e9:8.2f}{d_ratio:8.2f}")
+    print(f"\nprefill: one step of {prompt} tokens with 2 images of {IMAGE_GRID}x{IMAGE_GRID} "
+          f"patches (encoder included); decode: {args.batch} requests, one token each per "
+          f"step; {len(rounds)} interleaved rounds, ratios are medians of per-round ratios")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ A step's tokens from all requests are laid out flat, (T, dim): every linear laye
 the whole step at once, and only attention goes sequence by sequence, reading each
 sequence's context through its block table. NOTE: padding the batch to (B, max_q) instead
 was rejected: a step mixing one prefill chunk with decodes would pad every decode to the
-chunk's length.
+chunk's length. For the same reason prefill and decode share one ``forward`` (the unit a
+compiler would take) instead of two top-level functions: chunked prefill mixes them.
 """
 
 from __future__ import annotations

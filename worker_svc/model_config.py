@@ -1,8 +1,8 @@
 """Config of the built-in vision-language model, its presets, and how a name selects one.
 
-The scheduler needs the same config as the workers (placeholder counts per image, whether
-positions are M-RoPE), so this module imports nothing but the standard library and the
-tokenizer's vocabulary.
+The scheduler learns the config from the workers (``Describe`` sends ``to_json()``: patch
+and merge sizes, ``position_scheme``, ``max_seq_len``); this module does not import torch,
+so tools can read configs cheaply.
 """
 
 from __future__ import annotations
