@@ -76,19 +76,27 @@ class KubeEmulator:
             self.store.create(crd_type, "", crd)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=0.5)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         port = self._runner.addresses[0][1]
         return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+    async def _stop(self) -> None:
+        """Close the server, then end the watch streams still waiting for changes."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def call(self, fn: Callable[[ObjectStore], T]) -> T:
         async def run() -> T:
@@ -190,10 +198,11 @@ class KubeEmulator:
         if method == "PATCH":
             return store.patch(rt, namespace, name, request.content_type,
                                json.loads(await request.text()), sub)
-        if method == "DELETE":
-            gone = store.delete(rt, namespace, name)["metadata"]
-            return {"kind": "Status", "apiVersion": "v1", "status": "Success", "details": {
-                "name": name, "kind": rt.plural, "uid": gone["uid"]}}
+        if method == "DELETE":  # pods answer with the pod (graceful deletion), others a Status
+            gone = store.delete(rt, namespace, name)
+            return gone if rt.kind == "Pod" else {
+                "kind": "Status", "apiVersion": "v1", "status": "Success",
+                "details": {"name": name, "kind": rt.plural, "uid": gone["metadata"]["uid"]}}
         raise ApiError(405, "MethodNotAllowed", method)
 
     async def _watch(self, request: web.Request, rt: ResourceType,

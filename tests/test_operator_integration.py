@@ -1,0 +1,282 @@
+"""The real operator (`tandem_operator.main.run`, i.e. `tandem operator`, in a subprocess) against
+the API emulator over HTTP: create, resize, repair, scale-down, delete, and the specs it cannot
+serve. Each test uses its own namespace and TandemService, so they do not depend on each other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kubernetes
+import pytest
+from kube_emulator import KubeEmulator
+from kube_emulator.fixtures import CRD_PATH, node
+
+T = TypeVar("T")
+GI = 1 << 30
+MERGE = "application/merge-patch+json"
+NODES = ("node-a", "node-b")
+
+
+@dataclass
+class Cluster:
+    emulator: KubeEmulator
+    core: kubernetes.client.CoreV1Api
+    apps: kubernetes.client.AppsV1Api
+    batch: kubernetes.client.BatchV1Api
+    custom: kubernetes.client.CustomObjectsApi
+    liveness: str
+    log: Path
+
+    def create(self, namespace: str, name: str, spec: dict[str, Any],
+               ns_labels: dict[str, str] | None = None) -> None:
+        self.core.create_namespace({"metadata": {"name": namespace, "labels": ns_labels or {}}})
+        self.custom.create_namespaced_custom_object(
+            "tandem.dev", "v1alpha1", namespace, "tandemservices",
+            {"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemService",
+             "metadata": {"name": name}, "spec": spec})
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = self.custom.get_namespaced_custom_object(
+            "tandem.dev", "v1alpha1", namespace, "tandemservices", name)
+        return obj
+
+    def patch(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            "tandem.dev", "v1alpha1", namespace, "tandemservices", name, {"spec": spec},
+            _content_type=MERGE)
+
+    def condition(self, namespace: str, name: str, kind: str) -> dict[str, Any]:
+        status = self.get(namespace, name).get("status") or {}
+        found = [c for c in status.get("conditions") or () if c["type"] == kind]
+        return found[0] if found else {}
+
+    def pods(self, namespace: str) -> list[Any]:
+        return list(self.core.list_namespaced_pod(namespace).items)
+
+    def event_reasons(self, namespace: str) -> list[str]:
+        return [e.reason for e in self.core.list_namespaced_event(namespace).items]
+
+
+def wait_for(fn: Callable[[], T], what: str, timeout: float = 20.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("operator")
+    emulator = KubeEmulator([CRD_PATH])
+    emulator.start()
+    kubeconfig = emulator.write_kubeconfig(tmp / "kubeconfig")
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
+    api = kubernetes.client.ApiClient(config)
+    core = kubernetes.client.CoreV1Api(api)
+    for name in NODES:
+        body = node(name, memory="256Gi", gpus=8)
+        core.create_node({"metadata": body["metadata"]})
+        core.patch_node_status(name, {"status": body["status"]}, _content_type=MERGE)
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    log = tmp / "operator.log"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TANDEM_OPERATOR_RESYNC_SECONDS": "1",
+           "TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "20"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tandem_operator.main import run; "
+             "sys.exit(run(sys.argv[1:]))", "--liveness", liveness, "--verbose"],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield Cluster(emulator, core, kubernetes.client.AppsV1Api(api),
+                      kubernetes.client.BatchV1Api(api), kubernetes.client.CustomObjectsApi(api),
+                      liveness, log)
+        emulator.call(lambda store: store.check_invariants())
+    except BaseException:
+        print(log.read_text()[-20000:])
+        raise
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        api.close()
+        emulator.stop()
+
+
+def is_ready(cluster: Cluster, namespace: str, name: str) -> bool:
+    return cluster.condition(namespace, name, "Ready").get("status") == "True"
+
+
+def test_liveness_endpoint(cluster: Cluster) -> None:
+    def ok() -> bool:
+        try:
+            with urllib.request.urlopen(cluster.liveness, timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+    wait_for(ok, "the liveness endpoint")
+
+
+def test_create_then_delete(cluster: Cluster) -> None:
+    ns, name = "alpha", "svc"
+    cluster.create(ns, name, {"cells": 2, "featureCache": {"size": "4Gi"}})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    status = cluster.get(ns, name)["status"]
+    assert sorted(c["nodeName"] for c in status["cells"]) == sorted(NODES)
+    assert [c["segmentBytes"] for c in status["cells"]] == [4 * GI, 4 * GI]
+    assert status["endpoint"] == "dns:///svc.alpha.svc:50051"
+    assert status["observedGeneration"] == 1
+    for cell in status["cells"]:
+        i, node_name = cell["index"], cell["nodeName"]
+        workers = cluster.apps.read_namespaced_stateful_set(f"svc-{i}-workers", ns)
+        assert workers.metadata.owner_references[0].kind == "TandemService"
+        pod_spec = workers.spec.template.spec
+        pinned = pod_spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+        assert pinned.node_selector_terms[0].match_fields[0].values == [node_name]
+        assert pod_spec.affinity.pod_affinity.required_during_scheduling_ignored_during_execution
+        assert pod_spec.volumes[0].host_path.path == f"/dev/shm/tandem/alpha.svc.{i}"
+        assert pod_spec.containers[0].readiness_probe.grpc.port == 50061
+        config = cluster.core.read_namespaced_config_map(f"svc-{i}-config", ns).data
+        assert config["TANDEM_MM_CACHE_SIZE"] == str(4 * GI)
+        assert config["TANDEM_WORKER_ADDRESSES"] == "unix:///var/run/tandem/worker-0.sock"
+    pods = cluster.pods(ns)
+    assert sorted(p.spec.node_name for p in pods) == sorted(NODES * 2)  # 2 cells x (1 + 1)
+    assert {s.metadata.name for s in cluster.core.list_namespaced_service(ns).items} == {
+        "svc", "svc-headless"}
+
+    cluster.custom.delete_namespaced_custom_object("tandem.dev", "v1alpha1", ns,
+                                                   "tandemservices", name)
+
+    def gone() -> bool:
+        try:
+            cluster.get(ns, name)
+            return False
+        except kubernetes.client.ApiException as e:
+            return e.status == 404
+    wait_for(gone, "the finalizer to be released")
+    jobs = cluster.emulator.call(lambda store: [
+        o for _, kind, key, o in store.log if key == "batch/jobs" and kind == "ADDED"])
+    assert sorted((j["metadata"]["name"], j["spec"]["template"]["spec"]["nodeName"])
+                  for j in jobs) == sorted((f"svc-{c['index']}-cleanup", c["nodeName"])
+                                           for c in status["cells"])
+    assert cluster.apps.list_namespaced_stateful_set(ns).items == []  # collected with the owner
+    assert cluster.pods(ns) == []
+
+
+def test_resize_rolls_the_cells_one_at_a_time(cluster: Cluster) -> None:
+    ns, name = "beta", "svc"
+    cluster.create(ns, name, {"cells": 2})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    before = {p.metadata.name: p.metadata.annotations["tandem.dev/config-hash"]
+              for p in cluster.pods(ns)}
+    cluster.patch(ns, name, {"featureCache": {"size": "2Gi"}})
+
+    def resized() -> bool:
+        status = cluster.get(ns, name)["status"]
+        return status["observedGeneration"] == 2 and is_ready(cluster, ns, name) and all(
+            c["segmentBytes"] == 2 * GI and c["segmentGeneration"] == 2 for c in status["cells"])
+    wait_for(resized, "the resized cells to be Ready")
+    after = {p.metadata.name: p.metadata.annotations["tandem.dev/config-hash"]
+             for p in cluster.pods(ns)}
+    assert after.keys() == before.keys()
+    assert all(after[p] != before[p] for p in after)  # every pod was rolled
+    # cell 1 got its new config only after cell 0's new pods existed
+    log = cluster.emulator.call(lambda store: [
+        (rv, key, o["metadata"]["name"]) for rv, kind, key, o in store.log
+        if o["metadata"].get("namespace") == ns and kind != "DELETED"])
+    config1 = max(rv for rv, key, n in log if key == "/configmaps" and n == "svc-1-config")
+    new_pod0 = max(rv for rv, key, n in log if key == "/pods" and n == "svc-0-workers-0")
+    assert new_pod0 < config1
+
+
+def test_a_worker_on_another_node_is_repaired(cluster: Cluster) -> None:
+    ns, name = "gamma", "svc"
+    cluster.create(ns, name, {"cells": 1})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    [cell] = cluster.get(ns, name)["status"]["cells"]
+    elsewhere = next(n for n in NODES if n != cell["nodeName"])
+    cluster.core.patch_namespaced_pod("svc-0-workers-0", ns, {"spec": {"nodeName": elsewhere}},
+                                      _content_type=MERGE)
+    wait_for(lambda: "CellRepaired" in cluster.event_reasons(ns), "the CellRepaired event")
+
+    def repaired() -> bool:
+        [now] = cluster.get(ns, name)["status"]["cells"]
+        return now["segmentGeneration"] == 2 and is_ready(cluster, ns, name) and all(
+            p.spec.node_name == now["nodeName"] for p in cluster.pods(ns))
+    wait_for(repaired, "the cell to run colocated on a new generation")
+    assert cluster.condition(ns, name, "Colocated")["status"] == "True"
+
+
+def test_scale_down_removes_the_last_cell_and_its_segment(cluster: Cluster) -> None:
+    ns, name = "delta", "svc"
+    cluster.create(ns, name, {"cells": 2})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    node1 = cluster.get(ns, name)["status"]["cells"][1]["nodeName"]
+    cluster.patch(ns, name, {"cells": 1})
+    wait_for(lambda: "CellRemoved" in cluster.event_reasons(ns), "the CellRemoved event")
+    assert [s.metadata.name for s in cluster.apps.list_namespaced_stateful_set(ns).items] == [
+        "svc-0-scheduler", "svc-0-workers"]
+    job = cluster.batch.read_namespaced_job("svc-1-cleanup-g1", ns)
+    assert job.spec.template.spec.node_name == node1
+    wait_for(lambda: len(cluster.get(ns, name)["status"]["cells"]) == 1, "one cell in status")
+
+
+def test_a_spec_no_node_can_hold_gets_a_clear_condition(cluster: Cluster) -> None:
+    ns, name = "epsilon", "huge"
+    cluster.create(ns, name, {"worker": {"gpu": {"count": 16}}})
+    placement = wait_for(lambda: cluster.condition(ns, name, "PlacementReady"), "conditions")
+    assert placement["status"] == "False" and placement["reason"] == "NoFittingNode"
+    # the other tests' cells hold some of the 8 GPUs of each node
+    assert re.search(r"node-a: needs 16 nvidia.com/gpu, \d free", placement["message"])
+    assert re.search(r"node-b: needs 16 nvidia.com/gpu, \d free", placement["message"])
+    assert cluster.condition(ns, name, "Ready")["reason"] == "NoFittingNode"
+    assert cluster.apps.list_namespaced_stateful_set(ns).items == []
+
+
+def test_pod_security_rejection_is_reported(cluster: Cluster) -> None:
+    ns, name = "zeta", "svc"
+    cluster.create(ns, name, {}, ns_labels={"pod-security.kubernetes.io/enforce": "baseline"})
+
+    def rejected() -> dict[str, Any]:
+        found = cluster.condition(ns, name, "PlacementReady")
+        return found if found.get("reason") == "PodSecurityRejected" else {}
+    placement = wait_for(rejected, "PodSecurityRejected")
+    assert placement["status"] == "False" and "hostPath" in placement["message"]
+    assert cluster.apps.list_namespaced_stateful_set(ns).items == []
+
+
+def test_an_unsupported_spec_is_refused_with_a_reason(cluster: Cluster) -> None:
+    ns, name = "eta", "svc"
+    cluster.create(ns, name, {"worker": {"workersPerCell": 2, "tensorParallelSize": 2}})
+
+    def invalid() -> dict[str, Any]:
+        found = cluster.condition(ns, name, "Ready")
+        return found if found.get("reason") == "InvalidSpec" else {}
+    ready = wait_for(invalid, "InvalidSpec")
+    assert "tensorParallelSize" in ready["message"]
