@@ -4,8 +4,16 @@ properties that matter when it runs (security contexts, probes, tracing wiring, 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 from kube_emulator.schema import apply_defaults
 from tandem_operator.main import parser as operator_parser
 from tandem_operator.manifests import build_service, endpoint
@@ -176,6 +184,30 @@ def test_helm_test_checks_health_then_generates(helm: dict) -> None:
     assert "tandem.v1.Generation" in health["command"][2]
     (generate,) = pod["spec"]["containers"]
     assert generate["args"] == ["generate", "--target", target, "--max-tokens", "4", "hello"]
+
+
+def test_helm_test_health_script_waits_for_serving(helm: dict) -> None:
+    """The init container's script, run for real against a gRPC health server that turns
+    SERVING after a while: it waits, then exits 0."""
+    script = one(render("helm4"), "Pod", "test")["spec"]["initContainers"][0]["command"][2]
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    health = HealthServicer()
+    health.set("tandem.v1.Generation", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", script, f"127.0.0.1:{port}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(0.5)
+        health.set("tandem.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        server.stop(grace=None)
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    assert lines[0].endswith("tandem.v1.Generation NOT_SERVING"), out
+    assert lines[-1].endswith("tandem.v1.Generation SERVING"), out
 
 
 def test_podmonitor_scrapes_the_operators_pods(helm: dict) -> None:
