@@ -150,8 +150,8 @@ async def reconcile(name: str, namespace: str, spec: kopf.Spec, status: kopf.Sta
         kopf.register(prune_handler, id="prune")
         pods = list(tandem_pod_index.get((namespace, name), []))
         payload = status_payload(tsvc, state, pods, status, now(), meta["generation"])
+        payload["observedGeneration"] = meta["generation"]
         patch.status.update(changed_status(status, payload))
-        patch.status["observedGeneration"] = meta["generation"]
 
 
 async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.Spec,
