@@ -7,6 +7,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from tandem_operator.spec import TandemSpec, parse_spec
+
 from kube_emulator.patches import merge_patch
 from kube_emulator.schema import apply_defaults, load_crd, version_schema
 
@@ -25,9 +27,7 @@ def defaulted_spec(patch: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def tandem_spec(patch: dict[str, Any] | None = None, name: str = "demo",
-                namespace: str = "serving") -> Any:
-    from tandem_operator.spec import parse_spec
-
+                namespace: str = "serving") -> TandemSpec:
     return parse_spec(name, namespace, defaulted_spec(patch))
 
 
