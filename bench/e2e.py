@@ -26,9 +26,9 @@ import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cells import Cell, png, request, running_cell  # noqa: E402
+from cells import Cell, png, request, running_cell
 
-from tandem import __version__  # noqa: E402
+from tandem import __version__
 
 
 def ttft(cell: Cell, msg) -> float:
@@ -80,7 +80,8 @@ def throughput(cell: Cell, clients: int, tokens: int) -> float:
 
 
 def environment() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines
                 if line.startswith("model name")), platform.processor())
     return (f"tandem {__version__}, python {platform.python_version()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), grpcio {grpc.__version__}, cpu {cpu} "
@@ -104,7 +105,8 @@ def main() -> None:
              running_cell(Path(tmp, "none"), *flags, "--mm-cache", "none") as none:
             cold, warm = cold_vs_warm(shm, rounds, side)
             med = statistics.median
-            print(f"TTFT cold {1000 * med(cold):8.1f} ms   identical warm {1000 * med(warm):8.1f} ms"
+            print(f"TTFT cold {1000 * med(cold):8.1f} ms   "
+                  f"identical warm {1000 * med(warm):8.1f} ms"
                   f"   cold/warm = {med(c / w for c, w in zip(cold, warm, strict=True)):.2f}x")
             kinds = cache_kinds({"shm": shm, "lru": lru, "none": none}, rounds, side)
             base = med(kinds["none"])
