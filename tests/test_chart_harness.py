@@ -34,9 +34,11 @@ RELEASE = "tandem"
 # newest kubernetes-validate bundles.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 CI_VALUES = tuple(sorted(p.relative_to(CHART).as_posix() for p in (CHART / "ci").glob("*.yaml")))
-# Everything optional switched on at once (the union of the CI modes plus monitoring).
+# Everything optional switched on at once: the CI modes, monitoring, the namespace label, and a
+# TandemService in a served release namespace.
 ALL_ON = ("ci/tracing-values.yaml", "ci/watch-namespaces-values.yaml")
-ALL_ON_SETS = ("monitoring.podMonitor.enabled=true",)
+ALL_ON_SETS = ("monitoring.podMonitor.enabled=true", "podSecurity.labelNamespace=true",
+               "service.enabled=true", f'operator.watchNamespaces=["{NAMESPACE}","team-a"]')
 
 
 def _fetch_helm_module() -> Any:

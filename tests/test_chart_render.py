@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,12 +29,14 @@ from test_chart_harness import (
     MAJORS,
     NAMESPACE,
     RELEASE,
+    RenderError,
     env_of,
     find,
     helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
     one,
     pod_specs,
     render,
+    render_text,
     run_helm,
     validate_object,
 )
@@ -44,6 +45,7 @@ from tandem import __version__
 from tandem.cli import build_parser
 
 CASES = [(), *((v,) for v in CI_VALUES)]
+MONITORING = "monitoring.podMonitor.enabled=true"
 CASE_IDS = ["default", *(v.removeprefix("ci/").removesuffix("-values.yaml") for v in CI_VALUES)]
 
 
@@ -71,11 +73,16 @@ def test_every_object_validates(helm: dict, major: str, values: tuple[str, ...])
             validate_object(obj, version)
 
 
-@pytest.mark.parametrize("values", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("values", [*CASES, ALL_ON], ids=[*CASE_IDS, "all-on"])
 def test_tandemservice_is_served_by_the_operator(helm: dict, values: tuple[str, ...]) -> None:
     """After the apiserver's defaulting, the operator's own parser accepts the chart's object
-    (it also applies the rules the CRD states in CEL)."""
-    service = one(render("helm4", values), "TandemService")
+    (it also applies the rules the CRD states in CEL). The namespaced mode renders none."""
+    objects = render("helm4", values, ALL_ON_SETS if values == ALL_ON else ())
+    services = find(objects, "TandemService")
+    if values == ("ci/watch-namespaces-values.yaml",):
+        assert not services
+        return
+    (service,) = services
     apply_defaults(CRD_SCHEMA, service)
     parsed = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
     assert parsed.scheduler.image == f"ghcr.io/tandem-dev/tandem:{__version__}"
@@ -188,7 +195,7 @@ def test_helm_test_checks_health_then_generates(helm: dict) -> None:
 
 def test_helm_test_health_script_waits_for_serving(helm: dict) -> None:
     """The init container's script, run for real against a gRPC health server that turns
-    SERVING after a while: it waits, then exits 0."""
+    SERVING only after the script's first check: it keeps polling, then exits 0."""
     script = one(render("helm4"), "Pod", "test")["spec"]["initContainers"][0]["command"][2]
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     health = HealthServicer()
@@ -199,19 +206,19 @@ def test_helm_test_health_script_waits_for_serving(helm: dict) -> None:
     try:
         proc = subprocess.Popen([sys.executable, "-c", script, f"127.0.0.1:{port}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(0.5)
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # printed after the first (NOT_SERVING) answer
         health.set("tandem.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
-        out, _ = proc.communicate(timeout=30)
+        rest, _ = proc.communicate(timeout=60)
     finally:
         server.stop(grace=None)
-    assert proc.returncode == 0, out
-    lines = out.splitlines()
-    assert lines[0].endswith("tandem.v1.Generation NOT_SERVING"), out
-    assert lines[-1].endswith("tandem.v1.Generation SERVING"), out
+    assert proc.returncode == 0, first + rest
+    assert first.endswith("tandem.v1.Generation NOT_SERVING\n"), first + rest
+    assert rest.splitlines()[-1].endswith("tandem.v1.Generation SERVING"), first + rest
 
 
 def test_podmonitor_scrapes_the_operators_pods(helm: dict) -> None:
-    objects = render("helm4", (), ALL_ON_SETS)
+    objects = render("helm4", (), (MONITORING,))
     _, pod, _ = operator_view(objects)
     monitor = one(objects, "PodMonitor")["spec"]
     assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -229,7 +236,7 @@ def test_image_user_owns_the_segment(helm: dict) -> None:
 
 
 def test_hook_scripts_compile(helm: dict) -> None:
-    objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
+    objects = render("helm4", ALL_ON, ALL_ON_SETS)
     scripts = [c["command"][2] for _, pod in pod_specs(objects) for c in pod["containers"]
                if c.get("command", [])[:2] == ["python", "-c"]]
     assert len(scripts) == 2  # label the namespace, delete the TandemService on uninstall
@@ -294,6 +301,14 @@ def test_services_select_their_pods(helm: dict) -> None:
         assert "app.kubernetes.io/version" not in deployment["spec"]["selector"]["matchLabels"]
 
 
+def test_tandemservice_needs_a_served_namespace(helm: dict) -> None:
+    """A TandemService the operator would never see is refused at install time."""
+    with pytest.raises(RenderError, match="leaves out"):
+        render_text("helm4", (), ('operator.watchNamespaces=["team-a"]',))
+    served = render("helm4", (), (f'operator.watchNamespaces=["team-a","{NAMESPACE}"]',))
+    assert one(served, "TandemService")["metadata"]["namespace"] == NAMESPACE
+
+
 def test_pass_through_blocks(helm: dict) -> None:
     objects = render("helm4", ("ci/watch-namespaces-values.yaml",), (
         'imagePullSecrets=[{"name":"regcred"}]',
@@ -309,7 +324,6 @@ def test_pass_through_blocks(helm: dict) -> None:
     assert {"name": "ca", "configMap": {"name": "cluster-ca"}} in pod["volumes"]
     assert {"name": "ca", "mountPath": "/etc/ssl/cluster-ca", "readOnly": True} in container[
         "volumeMounts"]
-    assert one(objects, "TandemService")["spec"]["image"]["pullSecrets"] == ["regcred"]
     for _, hook_pod in pod_specs(objects):
         assert hook_pod["imagePullSecrets"] == [{"name": "regcred"}]
 
@@ -322,18 +336,20 @@ def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     assert spec["placement"]["maxCellsPerNode"] == 2
     assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["scheduler"]["env"] == [{"name": "TANDEM_MAX_NUM_SEQS", "value": "32"}]
+    assert spec["image"]["pullSecrets"] == ["regcred"]
 
 
 def test_podmonitor_follows_watched_namespaces(helm: dict) -> None:
-    monitor = one(render("helm4", ALL_ON, ALL_ON_SETS), "PodMonitor")
+    monitor = one(render("helm4", ("ci/watch-namespaces-values.yaml",), (MONITORING,)),
+                  "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-    everywhere = one(render("helm4", (), ALL_ON_SETS), "PodMonitor")
+    everywhere = one(render("helm4", (), (MONITORING,)), "PodMonitor")
     assert everywhere["spec"]["namespaceSelector"] == {"any": True}
 
 
 def test_pod_security_hook_labels_only_the_release_namespace(helm: dict) -> None:
-    objects = render("helm4", ("ci/watch-namespaces-values.yaml",))
+    objects = render("helm4", ("ci/cpu-values.yaml",))
     role = one(objects, "ClusterRole", "podsecurity")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["namespaces"],
                               "resourceNames": [NAMESPACE], "verbs": ["get", "patch"]}]
