@@ -137,11 +137,34 @@ def _env(raw: list[Mapping[str, str]] | None) -> tuple[tuple[str, str], ...]:
     return tuple((e["name"], e["value"]) for e in raw or ())
 
 
-def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
-    image, sch, wrk, fc = s["image"], s["scheduler"], s["worker"], s["featureCache"]
+def _worker(image: Mapping[str, Any], wrk: Mapping[str, Any]) -> WorkerSpec:
     gpu = wrk["gpu"]
-    place, model = s["placement"], s["model"]
-    shm = s["sharedMemory"]
+    return WorkerSpec(
+        image=wrk.get("image") or default_worker_image(image, wrk["device"], gpu["count"]),
+        workers_per_cell=wrk["workersPerCell"],
+        tensor_parallel_size=wrk["tensorParallelSize"],
+        device=wrk["device"],
+        gpu_count=gpu["count"],
+        gpu_resource=gpu["resourceName"],
+        resources=_resources(wrk["resources"]),
+        env=_env(wrk.get("env")),
+    )
+
+
+def _cache(fc: Mapping[str, Any]) -> FeatureCacheSpec:
+    return FeatureCacheSpec(
+        type=fc["type"],
+        size=quantity_bytes(fc["size"]),
+        max_object_size=quantity_bytes(fc["maxObjectSize"]),
+        max_node_memory_percent=fc["maxNodeMemoryPercent"],
+        host_root=fc["hostPath"]["root"].rstrip("/") or "/",
+        cleanup_on_start=fc["cleanupOnStart"],
+    )
+
+
+def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
+    image, sch, place, model = s["image"], s["scheduler"], s["placement"], s["model"]
+    shm, tracing = s["sharedMemory"], s["tracing"]
     return TandemSpec(
         name=name,
         namespace=namespace,
@@ -156,24 +179,8 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
             resources=_resources(sch["resources"]),
             env=_env(sch.get("env")),
         ),
-        worker=WorkerSpec(
-            image=wrk.get("image") or default_worker_image(image, wrk["device"], gpu["count"]),
-            workers_per_cell=wrk["workersPerCell"],
-            tensor_parallel_size=wrk["tensorParallelSize"],
-            device=wrk["device"],
-            gpu_count=gpu["count"],
-            gpu_resource=gpu["resourceName"],
-            resources=_resources(wrk["resources"]),
-            env=_env(wrk.get("env")),
-        ),
-        cache=FeatureCacheSpec(
-            type=fc["type"],
-            size=quantity_bytes(fc["size"]),
-            max_object_size=quantity_bytes(fc["maxObjectSize"]),
-            max_node_memory_percent=fc["maxNodeMemoryPercent"],
-            host_root=fc["hostPath"]["root"].rstrip("/") or "/",
-            cleanup_on_start=fc["cleanupOnStart"],
-        ),
+        worker=_worker(image, s["worker"]),
+        cache=_cache(s["featureCache"]),
         prefix_caching=s["prefixCache"]["enabled"],
         block_size=s["prefixCache"]["blockSize"],
         shm_size=0 if shm["disabled"] else quantity_bytes(shm["size"]),
@@ -186,9 +193,7 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         startup_failure_threshold=s["probes"]["startupFailureThreshold"],
         run_as_user=s["securityContext"]["runAsUser"],
         run_as_group=s["securityContext"]["runAsGroup"],
-        tracing=TracingSpec(
-            s["tracing"]["endpoint"], s["tracing"]["sampler"], s["tracing"]["ratio"]
-        ),
+        tracing=TracingSpec(tracing["endpoint"], tracing["sampler"], tracing["ratio"]),
         router_enabled=s["router"]["enabled"],
     )
 
