@@ -26,6 +26,8 @@ def add_client_commands(sub: argparse._SubParsersAction, default_target: str) ->
 
     p = sub.add_parser("stats", help="show the cell's cache counters")
     p.add_argument("--target", default=default_target)
+    p.add_argument("--per-cell", action="store_true",
+                   help="behind a router: each cell's figures next to the total")
     p.set_defaults(func=cmd_stats)
 
 
@@ -77,11 +79,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
-            stats = stub.CacheStats(generate_pb2.CacheStatsRequest(), timeout=10)
+            stats, call = stub.CacheStats.with_call(generate_pb2.CacheStatsRequest(), timeout=10)
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(format_stats(stats))
+    if args.per_cell:
+        from tandem.router.cell_stats import format_per_cell, parse_per_cell
+
+        print(format_per_cell(stats, parse_per_cell(call.trailing_metadata())))
+    else:
+        print(format_stats(stats))
     return 0
 
 

@@ -1,0 +1,182 @@
+"""The router's pure parts: ring, bounded-load balancer, routing key, stats aggregation."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.router.balancer import Balancer
+from tandem.router.cell_stats import aggregate, format_per_cell, parse_per_cell, per_cell_metadata
+from tandem.router.ring import HashRing
+from tandem.router.routing_key import routing_key
+from tandem.v1 import generate_pb2
+
+CELLS = ("10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051")
+KEYS = [f"key-{i}".encode() for i in range(3000)]
+
+
+def _balancer(cells=CELLS, load_factor: float = 1.25) -> Balancer:
+    b = Balancer(cells, load_factor)
+    for c in cells:
+        b.set_healthy(c, True)
+    return b
+
+
+def _place(b: Balancer, keys=KEYS) -> dict[bytes, str]:
+    """Where each key goes on an idle cluster (routes, then releases)."""
+    out = {}
+    for k in keys:
+        d = b.route(k)
+        assert d is not None
+        b.release(d.cell)
+        out[k] = d.cell
+    return out
+
+
+def test_walk_is_a_stable_permutation_and_shares_are_even() -> None:
+    ring, again = HashRing(CELLS), HashRing(CELLS)
+    ring.check_invariants()
+    for k in KEYS[:200]:
+        order = list(ring.walk(k))
+        assert sorted(order) == sorted(CELLS) and order == list(again.walk(k))
+    shares = Counter(ring.primary(k) for k in KEYS)
+    assert all(0.25 < shares[c] / len(KEYS) < 0.42 for c in CELLS), shares
+
+
+def test_a_down_cell_moves_only_its_keys_and_gets_them_back() -> None:
+    cells = (*CELLS, "10.0.0.4:50051")
+    b = _balancer(cells)
+    before = _place(b)
+    b.set_healthy(cells[3], False)
+    during = _place(b)
+    moved = {k for k in KEYS if before[k] != during[k]}
+    assert moved == {k for k in KEYS if before[k] == cells[3]}
+    # Virtual nodes spread the lost keys over every remaining cell.
+    assert set(Counter(during[k] for k in moved)) == set(CELLS)
+    assert b.decision_counts("failover")[cells[3]] == 0
+    assert sum(b.decision_counts("failover").values()) == len(moved)
+    b.set_healthy(cells[3], True)
+    assert _place(b) == before
+    b.check_invariants()
+
+
+def test_single_hot_key_stays_within_the_load_bound() -> None:
+    b = _balancer()
+    hot = b"the hot image"
+    primary = b.ring.primary(hot)
+    for total in range(1, 61):
+        d = b.route(hot)
+        assert d is not None
+        assert b.in_flight[d.cell] <= math.ceil(1.25 * total / 3), (total, b.in_flight)
+        b.check_invariants()
+    assert sum(b.in_flight.values()) == 60
+    assert max(b.in_flight.values()) <= math.ceil(1.25 * 60 / 3)
+    assert b.decisions[(primary, "affinity")] == b.in_flight[primary]
+    assert sum(b.decision_counts("spill").values()) == 60 - b.in_flight[primary]
+    assert sum(b.decision_counts("failover").values()) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans(), st.integers(0, 2)), max_size=150),
+       st.sampled_from([1.0, 1.25, 2.0]))
+def test_bound_holds_for_any_mix_of_routes_releases_and_outages(ops, load_factor) -> None:
+    """Random routes (6 keys, one of them hot), releases and health flips: every
+    acquisition respects the bound over the cells serving at that moment."""
+    b = _balancer(load_factor=load_factor)
+    rng = random.Random(len(ops))
+    held: list[str] = []
+    for key, release, flip in ops:
+        if flip == 2:
+            cell = CELLS[key % 3]
+            b.set_healthy(cell, cell not in b.healthy)
+        elif release and held:
+            b.release(held.pop(rng.randrange(len(held))))
+        else:
+            serving = [c for c in CELLS if c in b.healthy]
+            load = sum(b.in_flight[c] for c in serving)
+            d = b.route(b"hot" if key < 3 else bytes([key]))
+            if not serving:
+                assert d is None
+                continue
+            assert d is not None and d.cell in serving
+            assert b.in_flight[d.cell] <= math.ceil(load_factor * (load + 1) / len(serving))
+            held.append(d.cell)
+        b.check_invariants()
+
+
+def test_reasons_exclusions_and_bad_settings() -> None:
+    b = _balancer()
+    key = b"some image"
+    order = list(b.ring.walk(key))
+    d = b.route(key)
+    assert d is not None and (d.cell, d.reason) == (order[0], "affinity")
+    assert d.span_attributes() == {"tandem.route.cell": order[0], "tandem.route.reason": "affinity"}
+    b.release(d.cell)
+    d = b.route(key, exclude=[order[0]])  # the first cell already failed this request
+    assert d is not None and (d.cell, d.reason) == (order[1], "failover")
+    b.release(d.cell)
+    for c in CELLS:
+        b.set_healthy(c, False)
+    assert b.route(key) is None
+    b.check_invariants()
+    with pytest.raises(ValueError, match="load_factor"):
+        Balancer(CELLS, 0.9)
+    with pytest.raises(ValueError, match="duplicate"):
+        Balancer((CELLS[0], CELLS[0]))
+    with pytest.raises(KeyError):
+        b.set_healthy("elsewhere:1", True)
+
+
+def _req(prompt: str, images=(), salt: str = "") -> generate_pb2.GenerateRequest:
+    msg = generate_pb2.GenerateRequest(prompt=prompt, cache_salt=salt)
+    for item in images:
+        msg.images.append(item)
+    return msg
+
+
+def test_routing_key_follows_what_the_cells_cache() -> None:
+    img = generate_pb2.MediaItem(encoded=b"\x89PNG one")
+    other = generate_pb2.MediaItem(encoded=b"\x89PNG two")
+    named = generate_pb2.MediaItem(encoded=b"\x89PNG one", uuid="cat-1")
+    renamed = generate_pb2.MediaItem(encoded=b"\x89PNG two", uuid="cat-1")
+    key = routing_key(_req("Describe <image>.", [img]), 16)
+    # The first image decides, whatever the text or later images.
+    assert key == routing_key(_req("What is in <image> and <image>?", [img, other]), 16)
+    assert key != routing_key(_req("Describe <image>.", [other]), 16)
+    assert key != routing_key(_req("Describe <image>.", [img], salt="tenant-a"), 16)
+    # A uuid names the image instead of its bytes, as in the processor cache.
+    assert routing_key(_req("<image>", [named]), 16) == routing_key(_req("<image>", [renamed]), 16)
+    assert routing_key(_req("<image>", [named]), 16) != key
+    # Same bytes, different shape: different images.
+    flat = generate_pb2.MediaItem(tensor={"dtype": "float32", "shape": [1, 4, 3],
+                                          "data": bytes(48)})
+    tall = generate_pb2.MediaItem(tensor={"dtype": "float32", "shape": [4, 1, 3],
+                                          "data": bytes(48)})
+    assert routing_key(_req("<image>", [flat]), 16) != routing_key(_req("<image>", [tall]), 16)
+    # Text: only the first full block (BOS + 15 bytes at block size 16) counts.
+    system = "You are a careful assistant. "
+    assert routing_key(_req(system + "Hi"), 16) == routing_key(_req(system + "Bye"), 16)
+    assert routing_key(_req("Short one"), 16) != routing_key(_req("Short two"), 16)
+    assert routing_key(_req(system + "Hi"), 16) != routing_key(_req(system + "Hi", salt="t"), 16)
+
+
+def test_stats_sum_and_per_cell_round_trip() -> None:
+    a = generate_pb2.CacheStatsResponse(mm_cache_hits_total=3, kv_blocks_total=10,
+                                        mm_cache_type="shm")
+    b = generate_pb2.CacheStatsResponse(mm_cache_hits_total=4, kv_blocks_total=20,
+                                        mm_cache_type="shm", shm_unacked_refs=1)
+    total = aggregate([a, b])
+    assert (total.mm_cache_hits_total, total.kv_blocks_total, total.shm_unacked_refs) == (7, 30, 1)
+    assert total.mm_cache_type == "shm"
+    assert aggregate([a, generate_pb2.CacheStatsResponse(mm_cache_type="lru")]).mm_cache_type \
+        == "mixed"
+    cells = {"h1:1": a, "h2:2": b, "h3:3": None}
+    assert parse_per_cell(per_cell_metadata(cells)) == cells
+    table = format_per_cell(total, cells).splitlines()
+    assert table[0].split() == ["field", "total", "h1:1", "h2:2", "h3:3"]
+    assert ["mm_cache_hits_total", "7", "3", "4", "-"] in [row.split() for row in table]
