@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import grpc
@@ -52,7 +53,8 @@ TOKENS, FEATURES = synthetic_prompt(CONFIG, ["Look: ", " and it", "?"], IMAGES)
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerConfig, object]]:
+def worker(tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[tuple[WorkerConfig, BaseProcess, worker_pb2_grpc.WorkerStub]]:
     shm_dir = tmp_path_factory.mktemp("shm")
     config = WorkerConfig(shm_dir=str(shm_dir), model="tiny-mrope", block_size=BLOCK_SIZE,
                           kv_cache_bytes=4 << 20)
@@ -81,13 +83,13 @@ def _wait_serving(channel: grpc.Channel, timeout: float = 60.0) -> None:
     raise TimeoutError("worker did not become SERVING")
 
 
-def _step_fn(stub):
+def _step_fn(stub: worker_pb2_grpc.WorkerStub) -> Callable[[StepInput], StepOutput]:
     def step(s: StepInput) -> StepOutput:
         return step_output_from_proto(stub.Step(step_to_proto(s), timeout=60))
     return step
 
 
-def _rpc_error(stub, step: StepInput) -> grpc.RpcError:
+def _rpc_error(stub: worker_pb2_grpc.WorkerStub, step: StepInput) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(step_to_proto(step), timeout=60)
     return info.value

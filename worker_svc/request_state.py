@@ -89,10 +89,11 @@ def new_request_state(req: NewRequestData, features: list[MultiModalFeatureSpec]
     """
     spans = [_image_span(f, req.token_ids, config) for f in features]
     if config.uses_mrope:
-        if any(s is None for s in spans):
+        known = [s for s in spans if s is not None]
+        if len(known) != len(spans):
             raise InvalidInput(f"request {req.request_id}: an M-RoPE model needs every "
                                f"image's {IMAGE_GRID_THW}", reason="MISSING_GRID")
-        positions, next_position = mrope_positions(len(req.token_ids), spans)  # type: ignore[arg-type]
+        positions, next_position = mrope_positions(len(req.token_ids), known)
     else:
         positions, next_position = rope_positions(len(req.token_ids))
     state = RequestState(
