@@ -107,7 +107,7 @@ def placement_verdict(cells: Sequence[Cell], rejected: Mapping[int, str]) -> Ver
     if rejected:
         return "False", "PodSecurityRejected", "; ".join(
             f"cell {i}: {msg}" for i, msg in sorted(rejected.items()))
-    return "True", "Placed", ", ".join(f"cell {c.index} on {c.node}" for c in cells)
+    return "True", "Placed", ", ".join(f"cell {c.index} on {c.node}" for c in cells) or "no cells"
 
 
 def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:

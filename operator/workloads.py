@@ -35,17 +35,21 @@ from tandem_operator.spec import Resources, TandemSpec
 
 HOSTNAME = "kubernetes.io/hostname"
 # Prepares the cell directory before any Tandem process touches it: kubelet creates hostPath
-# and subPath directories as root 0755, where a non-root scheduler could not write.
+# and subPath directories as root 0755, where a non-root scheduler could not write. Pruning
+# removes only older generations, never a newer one a rolled pod may already use.
 _PREPARE = """set -eu
 dir="$1"; gen="$2"; owner="$3"; prune="$4"
-mkdir -p "$dir/$gen"
+mkdir -p "$dir/gen-$gen"
 if [ "$prune" = true ]; then
-  find "$dir" -mindepth 1 -maxdepth 1 ! -name "$gen" -exec rm -rf -- {} +
+  for old in "$dir"/gen-*; do
+    n="${old##*/gen-}"
+    case "$n" in ''|*[!0-9]*) continue ;; esac
+    if [ "$n" -lt "$gen" ]; then rm -rf -- "$old"; fi
+  done
 fi
-chown "$owner" "$dir/$gen"
-chmod 0700 "$dir/$gen"
+chown "$owner" "$dir/gen-$gen"
+chmod 0700 "$dir/gen-$gen"
 """
-
 
 def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
@@ -95,7 +99,7 @@ def _prepare_container(spec: TandemSpec, cell: Cell, prune: bool) -> dict[str, A
         "name": "prepare-segment",
         "image": spec.scheduler.image,
         "imagePullPolicy": spec.pull_policy,
-        "command": ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, generation_dir(cell.generation),
+        "command": ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, str(cell.generation),
                     f"{spec.run_as_user}:{spec.run_as_group}", "true" if prune else "false"],
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
                             "allowPrivilegeEscalation": False,

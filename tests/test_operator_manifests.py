@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -123,7 +126,7 @@ def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
     assert pod["spec"]["volumes"] == [{"name": "cell", "hostPath": {
         "path": "/dev/shm/tandem/serving.demo.1", "type": "DirectoryOrCreate"}}]
     init = pod["spec"]["initContainers"][0]
-    assert init["command"][-4:] == ["/var/run/tandem-cell", "gen-5", "10001:10001", "true"]
+    assert init["command"][-4:] == ["/var/run/tandem-cell", "5", "10001:10001", "true"]
     assert pod["metadata"]["annotations"]["tandem.dev/segment-generation"] == "5"
 
 
@@ -190,3 +193,15 @@ def test_cleanup_job_is_pinned_and_removes_only_its_target() -> None:
     assert old["metadata"]["name"] == "demo-1-cleanup-g4"
     assert old["spec"]["template"]["spec"]["containers"][0]["command"][-1] == (
         "/host/serving.demo.1/gen-4")
+
+
+def test_prepare_script_keeps_the_current_and_newer_generations(tmp_path: Path) -> None:
+    """Run the init container's script for real on a scratch cell directory."""
+    template = build_pod_template(tandem_spec({}), CELL, "scheduler")
+    command = template["spec"]["initContainers"][0]["command"]
+    for gen in ("gen-1", "gen-4", "gen-9", "notes"):
+        (tmp_path / gen).mkdir()
+    args = [str(tmp_path), command[5], f"{os.getuid()}:{os.getgid()}", command[7]]
+    subprocess.run([*command[:4], *args], check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-5", "gen-9", "notes"]
+    assert (tmp_path / "gen-5").stat().st_mode & 0o777 == 0o700
