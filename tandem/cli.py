@@ -157,7 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_operator(args: argparse.Namespace) -> int:
     from tandem_operator.main import run
 
-    return run(args.kopf_args)
+    return run([])
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -182,6 +182,13 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["operator"]:
+        # Every flag after "operator" belongs to the operator's own parser (argparse's
+        # REMAINDER would refuse the leading "--liveness=..." style ones).
+        from tandem_operator.main import run
+
+        return run(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
@@ -227,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
     p.add_argument("--worker-listen", default=_env("WORKER_LISTEN", ""))
 
-    p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
-    p.add_argument("kopf_args", nargs=argparse.REMAINDER, help="extra arguments for kopf run")
+    # Dispatched in main() before parsing; listed here for --help.
+    add("operator", cmd_operator, "run the Kubernetes operator (kopf); flags: tandem operator -h")
 
     p = add("router", cmd_router, "route Generate across cells by cache affinity")
     p.add_argument("--cells", default=_env("ROUTER_CELLS", ""),
