@@ -21,9 +21,11 @@ from scheduler_svc.image_processor import ImageProcessorConfig
 from scheduler_svc.input_processor import InputProcessor
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, StepOutput
+from scheduler_svc.request_telemetry import RequestTrace, step_trace_context
 from scheduler_svc.scheduler import Scheduler, SchedulerCounters, SchedulerLimits
 from scheduler_svc.step_message import build_step_request, mark_delivered
 from scheduler_svc.worker_client import StepFailed, WorkerPool
+from tandem import tracing
 from tandem.errors import InvalidInput, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
@@ -98,21 +100,24 @@ class Engine:
                                    self._redeliver, self.counters)
 
     async def generate(
-        self, msg: generate_pb2.GenerateRequest
+        self, msg: generate_pb2.GenerateRequest, trace: RequestTrace | None = None
     ) -> AsyncIterator[tuple[Request, StepOutput]]:
         """Validate and enqueue ``msg``; yield (request, output) per step until it finishes.
 
         Leaving the iteration early (the client cancelled or its deadline passed) aborts
-        the request and releases everything it holds.
+        the request and releases everything it holds. ``trace`` (tracing on) gets the
+        request's image spans and scheduling events.
         """
         if not self.serving or self.inputs is None or self.scheduler is None:
             raise Unavailable("the cell is not serving: its workers are not ready")
-        request = await self.inputs.to_request(msg, self.cache, self._offload)
+        request = await self.inputs.to_request(msg, self.cache, self._offload, trace)
         if request.request_id in self.scheduler.requests:
             self._release_undelivered(request)
             raise InvalidInput(f"request_id {request.request_id!r} is already in use",
                                "DUPLICATE_REQUEST_ID")
         self.scheduler.add_request(request)
+        if trace is not None:
+            trace.event("queued", {"waiting": len(self.scheduler.waiting)})
         self._wake.set()
         try:
             while True:
@@ -177,7 +182,10 @@ class Engine:
         assert self.scheduler is not None and self.model is not None
         self._step_id += 1
         segment, generation = self._segment()
-        msg = build_step_request(out, self._step_id, segment, generation, self.model.uses_mrope)
+        trace_context = (step_trace_context(out, self.scheduler.requests, self.config.block_size)
+                         if tracing.enabled() else None)
+        msg = build_step_request(out, self._step_id, segment, generation, self.model.uses_mrope,
+                                 trace_context)
         mark_delivered(out)
         try:
             result = await self.workers.step(msg, self.config.step_timeout_s)

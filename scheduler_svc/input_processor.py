@@ -26,6 +26,7 @@ from scheduler_svc.image_processor import (
     smart_resize,
 )
 from scheduler_svc.request import Request, Sampling
+from scheduler_svc.request_telemetry import RequestTrace, image_span
 from tandem import tokenizer
 from tandem.errors import InvalidInput
 from tandem.feature_codec import tensor_from_proto
@@ -51,8 +52,11 @@ class InputProcessor:
         self.max_model_tokens = max_model_tokens  # prompt + outputs must fit the KV pool
 
     async def to_request(self, msg: generate_pb2.GenerateRequest, cache: ProcessorCache,
-                         offload: Offload) -> Request:
-        """A validated Request whose features hold what the cache gave (or fresh items)."""
+                         offload: Offload, trace: RequestTrace | None = None) -> Request:
+        """A validated Request whose features hold what the cache gave (or fresh items).
+
+        With ``trace``, each image gets a ``tandem.mm.process`` span under it.
+        """
         sampling = self.sampling(msg)
         prompt_ids, images = self._prompt_and_images(msg)
         token_ids, features = self._expand(prompt_ids, images)
@@ -66,17 +70,20 @@ class InputProcessor:
         hits = 0
         with cache.pinned([im.key for im in images]):
             for i, im in enumerate(images):
-                data = cache.lookup(im.key)
-                hits += data is not None
-                if data is None:
-                    item = await offload(lambda im=im: self.process(im.media))
-                    data = cache.store(im.key, item)
+                with image_span(trace, im.key, im.num_tokens, im.media) as span:
+                    data = cache.lookup(im.key)
+                    hit = data is not None
+                    if data is None:
+                        item = await offload(lambda im=im: self.process(im.media))
+                        data = cache.store(im.key, item)
+                    span.done(cache.kind, hit, data)
+                hits += hit
                 features[i] = _with_data(features[i], data)
         return Request(
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=list(msg.images), mm_cache_hits=hits,
-            undelivered=True,
+            undelivered=True, trace=trace,
         )
 
     def sampling(self, msg: generate_pb2.GenerateRequest) -> Sampling:

@@ -6,10 +6,14 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from tandem.features import MultiModalFeatureSpec
 from tandem.v1 import generate_pb2
+
+if TYPE_CHECKING:
+    from scheduler_svc.request_telemetry import RequestTrace
 
 
 class Status(enum.Enum):
@@ -57,7 +61,8 @@ class Request:
     stripped, never this one). ``undelivered`` is True while ``features`` hold SHM
     references that no worker has received: they must be delivered or released, never
     dropped. ``media`` are the client's images, kept so a preempted request whose SHM
-    objects were evicted can be processed again.
+    objects were evicted can be processed again. ``trace`` is the request's span while
+    tracing is on, else None.
     """
 
     request_id: str
@@ -80,6 +85,7 @@ class Request:
     outputs: asyncio.Queue[StepOutput | BaseException] = field(
         default_factory=asyncio.Queue, repr=False
     )
+    trace: RequestTrace | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

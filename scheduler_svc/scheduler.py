@@ -41,6 +41,7 @@ class SchedulerCounters:
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     preemptions: int = 0
+    encoder_runs: int = 0  # encoder inputs scheduled (each runs once, on every worker)
 
 
 @dataclass(slots=True)
@@ -194,6 +195,7 @@ class Scheduler:
             f = request.features[i]
             self.encoder.allocate(request.request_id, f.identifier, f.mm_position.length)
         request.encoder_runs += len(enc)
+        self.counters.encoder_runs += len(enc)
         out.num_scheduled_tokens[request.request_id] = n
         if enc:
             out.encoder_inputs[request.request_id] = enc

@@ -12,12 +12,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.worker_client import WorkerPool
+from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
+from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
 from tandem.processor_cache import (
     LruProcessorCache,
     ProcessorCache,
@@ -39,16 +42,20 @@ class SchedulerServer:
     cache: ProcessorCache
     workers: WorkerPool
     health: health.aio.HealthServicer
+    metrics: MetricsEndpoint | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
-        ``grace``) -> abort the rest -> close worker channels -> unlink the segment."""
+        ``grace``) -> abort the rest -> close worker channels -> unlink the segment ->
+        stop serving metrics."""
         await self.health.enter_graceful_shutdown()
         stopping = self.server.stop(grace)
         await self.engine.stop()
         await stopping
         await self.workers.close()
         self.cache.close()
+        if self.metrics is not None:
+            await self.metrics.close()
 
 
 def make_cache(config: SchedulerConfig) -> ProcessorCache:
@@ -77,14 +84,23 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         asyncio.get_running_loop().create_task(health_servicer.set(SERVICE_NAME, status))
 
     engine = Engine(config, cache, workers, on_serving)
+    registry = CollectorRegistry() if config.metrics_port else None
+    latency = None
+    if registry is not None:
+        registry.register(SnapshotCollector(lambda: metric_values(engine)))
+        latency = RequestLatency(registry)
     limits = config.limits
     max_message = limits.max_images * limits.max_image_bytes + (1 << 20)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
+    if tracing.enabled():
+        interceptors.insert(0, tracing.ServerSpanInterceptor([SERVICE_NAME]))
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=interceptors,
         options=[("grpc.max_receive_message_length", max_message),
                  ("grpc.keepalive_permit_without_calls", 1),
                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, latency),
+                                                       server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -94,14 +110,36 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     await server.start()
     try:
         await engine.start()
+        metrics = (None if registry is None
+                   else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
         await server.stop(0)
+        await engine.stop()
         await workers.close()
         cache.close()
         raise
     log.info("scheduler serving %s on port %d (%d workers, cache %s)", SERVICE_NAME, port,
              config.num_workers, cache.kind)
-    return SchedulerServer(server, port, engine, cache, workers, health_servicer)
+    return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics)
+
+
+def metric_values(engine: Engine) -> dict[str, float]:
+    """The scheduler's totals and gauges, read at scrape time (names: tandem.metrics)."""
+    stats, counters = engine.cache_stats(), engine.counters
+    return {
+        "tandem_prompt_tokens_total": counters.prompt_tokens,
+        "tandem_prefix_cache_hit_tokens_total": counters.prefix_cache_hit_tokens,
+        "tandem_mm_cache_hits_total": stats.mm_cache_hits_total,
+        "tandem_mm_cache_misses_total": stats.mm_cache_misses_total,
+        "tandem_encoder_runs_total": counters.encoder_runs,
+        "tandem_preemptions_total": counters.preemptions,
+        "tandem_shm_capacity_bytes": stats.shm_capacity_bytes,
+        "tandem_shm_used_bytes": stats.shm_used_bytes,
+        "tandem_shm_objects": stats.shm_objects,
+        "tandem_shm_unacked_refs": stats.shm_unacked_refs,
+        "tandem_kv_blocks_total": stats.kv_blocks_total,
+        "tandem_kv_blocks_free": stats.kv_blocks_free,
+    }
 
 
 async def serve(config: SchedulerConfig) -> None:

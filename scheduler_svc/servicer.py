@@ -8,6 +8,8 @@ import grpc
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import Request, StepOutput
+from scheduler_svc.request_telemetry import RequestTelemetry
+from tandem.metrics import RequestLatency
 from tandem.tokenizer import IncrementalDecoder
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -15,19 +17,23 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Generate (server stream, one message per step) and CacheStats."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, latency: RequestLatency | None = None) -> None:
         self.engine = engine
+        self.latency = latency  # histograms, when metrics are on
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         decoder = IncrementalDecoder()
         first = True
-        async for req, out in self.engine.generate(request):
-            if first:
-                await context.send_initial_metadata((("x-request-id", req.request_id),))
-                first = False
-            yield to_response(req, out, decoder)
+        model = self.engine.model.name if self.engine.model is not None else "unknown"
+        with RequestTelemetry(model, request, self.latency) as telemetry:
+            async for req, out in self.engine.generate(request, telemetry.trace):
+                if first:
+                    await context.send_initial_metadata((("x-request-id", req.request_id),))
+                    first = False
+                telemetry.output(req, out.token_ids)
+                yield to_response(req, out, decoder)
 
     async def CacheStats(self, request: generate_pb2.CacheStatsRequest,
                          context: grpc.aio.ServicerContext) -> generate_pb2.CacheStatsResponse:

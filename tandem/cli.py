@@ -37,8 +37,16 @@ def _add_common(p: argparse.ArgumentParser, shm_default: str) -> None:
     p.add_argument("--shm-dir", default=_env("SHM_DIR", shm_default),
                    help="directory shared by the cell's scheduler and workers")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                   help="Prometheus /metrics port (0 = off); `serve` workers use the next ones")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    # Both default to their variables, read by tandem.tracing.setup (None = not given).
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/gRPC collector host:port or URL (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off without it or a trace file)")
+    p.add_argument("--trace-file", default=None,
+                   help="append finished spans to this file as OTLP JSON lines, read by "
+                        "`tandem traces` (default: $TANDEM_TRACE_FILE)")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -98,10 +106,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shm_dir = Path(args.shm_dir)
     shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
-    procs = [ctx.Process(target=_run_worker, args=(_worker_config(args, r, args.workers),),
+    tracing_args = (args.otlp_endpoint, args.trace_file)
+    procs = [ctx.Process(target=_run_worker,
+                         args=(_worker_config(args, r, args.workers), tracing_args),
                          name=f"tandem-worker-{r}") for r in range(args.workers)]
     for p in procs:
         p.start()
+    _setup_tracing("tandem-scheduler", args)
     try:
         addresses = [worker_address(args.shm_dir, r) for r in range(args.workers)]
         asyncio.run(serve_scheduler(_scheduler_config(args, addresses)))
@@ -109,19 +120,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         _stop_processes(procs)
+        _shutdown_tracing()
         if args.remove_shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)
     return 0
 
 
-def _run_worker(config) -> None:
+def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
+    from tandem import tracing
     from worker_svc.server import serve
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-{config.rank} %(name)s "
                         "%(levelname)s %(message)s")
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    serve(config)
+    tracing.setup("tandem-worker", *tracing_args)
+    try:
+        serve(config)
+    finally:
+        tracing.shutdown()
+
+
+def _setup_tracing(service_name: str, args: argparse.Namespace) -> None:
+    """Tracing from the flags (their defaults are the OTEL_* / TANDEM_TRACE_FILE variables)."""
+    from tandem import tracing
+
+    tracing.setup(service_name, args.otlp_endpoint, args.trace_file)
+
+
+def _shutdown_tracing() -> None:
+    from tandem import tracing
+
+    tracing.shutdown()  # exports the spans still buffered
 
 
 def _stop_processes(procs: list, timeout: float = 10.0) -> None:
@@ -143,14 +173,37 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     addresses = ([a.strip() for a in args.worker_addresses.split(",") if a.strip()]
                  if args.worker_addresses
                  else [worker_address(args.shm_dir, r) for r in range(args.workers)])
-    asyncio.run(serve(_scheduler_config(args, addresses)))
+    _setup_tracing("tandem-scheduler", args)
+    try:
+        asyncio.run(serve(_scheduler_config(args, addresses)))
+    finally:
+        _shutdown_tracing()
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker_svc.server import serve
 
-    serve(_worker_config(args, args.rank, args.workers, args.worker_listen))
+    _setup_tracing("tandem-worker", args)
+    try:
+        serve(_worker_config(args, args.rank, args.workers, args.worker_listen))
+    finally:
+        _shutdown_tracing()
+    return 0
+
+
+def cmd_traces(args: argparse.Namespace) -> int:
+    from tandem.traces_view import render_file
+
+    if not args.file:
+        print("error: no trace file: pass --file or set TANDEM_TRACE_FILE", file=sys.stderr)
+        return 2
+    try:
+        print(render_file(Path(args.file), args.n))
+    except FileNotFoundError:
+        print(f"error: {args.file} does not exist (start `tandem serve --trace-file "
+              f"{args.file}` and send a request)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -247,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float,
                    default=float(_env("ROUTER_HEALTH_INTERVAL", "1.0")), help="seconds")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+
+    p = add("traces", cmd_traces, "show the last requests of a trace file as span trees")
+    p.add_argument("--file", default=os.environ.get("TANDEM_TRACE_FILE", ""),
+                   help="OTLP JSON lines written by `tandem serve --trace-file`")
+    p.add_argument("-n", type=int, default=5, help="requests to show (the most recent)")
 
     p = add("export-model", cmd_export_model, "write built-in weights as safetensors")
     p.add_argument("--model", default="tiny")
