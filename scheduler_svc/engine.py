@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._step_id = 0
         self.counters = SchedulerCounters()
+        self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
         self.model: ModelInfo | None = None
         self.scheduler: Scheduler | None = None
@@ -194,6 +196,16 @@ class Engine:
             return
         for request, output in self.scheduler.update(out, result.sampled):
             request.outputs.put_nowait(output)
+        if self._debug_invariants:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Every bookkeeping structure, whole (after each step with TANDEM_DEBUG_INVARIANTS=1)."""
+        assert self.scheduler is not None
+        self.scheduler.kv.check_invariants()
+        self.scheduler.encoder.check_invariants()
+        if isinstance(self.cache, ShmProcessorCache):
+            self.cache.writer.check_invariants()
 
     def _segment(self) -> tuple[str, int]:
         if isinstance(self.cache, ShmProcessorCache):
