@@ -236,6 +236,24 @@ def test_descriptor_of_reused_chunk_is_stale(make_store: MakeStore) -> None:
     assert reader.get(new) == payload(900, 1)
 
 
+def test_descriptor_standing_for_several_refs_is_acked_once(make_store: MakeStore) -> None:
+    writer, readers = make_store(n_readers=2, capacity=1024)
+    first = writer.put("a", [payload(900)])
+    merged = dataclasses.replace(writer.hit("a"), refs=2)  # a caller may merge deliveries
+    writer.hit("a")
+    for reader in readers:
+        reader.ack(first)
+    assert writer.stats().unacked_refs == 2
+    for reader in readers:
+        with pytest.raises(StaleDescriptor, match="over-acknowledge"):
+            reader.ack(dataclasses.replace(merged, refs=3))
+    readers[0].ack(merged)
+    assert writer.stats().unacked_refs == 2  # the slowest slot still owes both
+    assert readers[1].get(merged) == payload(900)
+    assert writer.stats().unacked_refs == 0
+    writer.put("b", [full_object(writer)])
+
+
 def test_release_undoes_a_reference(make_store: MakeStore) -> None:
     writer, (reader,) = make_store(capacity=1024)
     put = writer.put("a", [payload(900)])
