@@ -55,8 +55,9 @@ def setup(service_name: str, endpoint: str | None = None, trace_file: str | None
     ``endpoint`` (OTLP/gRPC, ``host:port`` or a URL) and ``trace_file`` default to the
     environment (:func:`endpoint_from_env`, ``TANDEM_TRACE_FILE``); pass "" to turn one
     off explicitly. ``service_name`` is ``tandem-scheduler``, ``tandem-worker`` or
-    ``tandem-operator``; ``OTEL_RESOURCE_ATTRIBUTES`` adds the rest (``k8s.*``,
-    ``tandem.cell``). Calling it again in the same process changes nothing.
+    ``tandem-operator`` (``OTEL_SERVICE_NAME`` overrides it); ``OTEL_RESOURCE_ATTRIBUTES``
+    adds the rest (``k8s.*``, ``tandem.cell``). Calling it again in the same process
+    changes nothing.
     """
     global _provider
     if _provider is not None:
@@ -66,7 +67,9 @@ def setup(service_name: str, endpoint: str | None = None, trace_file: str | None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or not (
             endpoint or trace_file):
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # OTEL_SERVICE_NAME, when set, names the service as the specification says it should.
+    named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+    provider = TracerProvider(resource=Resource.create(named))
     if endpoint:
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(endpoint)))
     if trace_file:

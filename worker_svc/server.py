@@ -20,8 +20,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from tandem.errors import ErrorMappingInterceptor, ResourceExhausted, Unavailable
+from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
@@ -29,6 +31,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig
 from worker_svc.runner import StepRunner
 from worker_svc.step_codec import step_from_proto, step_output_to_proto
+from worker_svc.step_telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.ready = asyncio.Event()  # set once the model is loaded and warmed up
         self.runner: StepRunner | None = None
         self.describe = worker_pb2.DescribeResponse()
+        self.telemetry = StepTelemetry(config.rank)
 
     def load(self) -> None:
         """Load the model, size the KV cache, warm up (runs on the step thread)."""
@@ -90,7 +94,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         assert self.runner is not None
-        return step_output_to_proto(self.runner.step(step_from_proto(request)))
+        return step_output_to_proto(self.telemetry.run(step_from_proto(request),
+                                                       self.runner.step))
 
     def close(self) -> None:
         if self.runner is not None and self.runner.receiver is not None:
@@ -123,6 +128,7 @@ class RunningWorker:
     servicer: WorkerServicer
     executor: ThreadPoolExecutor
     warmup: asyncio.Task[None]
+    metrics: MetricsEndpoint | None = None
 
 
 async def create_server(config: WorkerConfig) -> RunningWorker:
@@ -143,7 +149,13 @@ async def create_server(config: WorkerConfig) -> RunningWorker:
     addresses = _bind(server, config)
     await server.start()
     warmup = asyncio.create_task(_warm_up(servicer, health_servicer), name="worker-warmup")
-    return RunningWorker(config, server, addresses, health_servicer, servicer, executor, warmup)
+    metrics = None
+    if config.metrics_port:
+        registry = CollectorRegistry()
+        registry.register(SnapshotCollector(servicer.telemetry.metric_values))
+        metrics = await MetricsEndpoint.start(registry, config.metrics_port)
+    return RunningWorker(config, server, addresses, health_servicer, servicer, executor, warmup,
+                         metrics)
 
 
 def _bind(server: grpc.aio.Server, config: WorkerConfig) -> list[str]:
@@ -178,8 +190,8 @@ async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> No
 
     Health NOT_SERVING (probes and schedulers see it first) -> ``server.stop(grace)``
     (new calls refused, the in-flight step may finish) -> cancel a warm-up still
-    running -> join the step thread -> detach from the segment -> remove the socket.
-    The segment itself belongs to the scheduler and is left alone.
+    running -> join the step thread -> detach from the segment -> remove the socket ->
+    stop serving metrics. The segment itself belongs to the scheduler and is left alone.
     """
     await worker.health.enter_graceful_shutdown()
     await worker.server.stop(grace)
@@ -189,6 +201,8 @@ async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> No
     await asyncio.to_thread(worker.executor.shutdown, wait=True, cancel_futures=True)
     worker.servicer.close()
     worker.config.socket_path.unlink(missing_ok=True)
+    if worker.metrics is not None:
+        await worker.metrics.close()
 
 
 def serve(config: WorkerConfig) -> None:
