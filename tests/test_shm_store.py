@@ -441,3 +441,15 @@ def test_release_after_reset_is_refused_and_changes_nothing(make_store: MakeStor
     assert Path(writer.path).read_bytes() == before
     readers[0].ack(in_flight)  # delivered to the surviving reader instead: balanced
     assert writer.stats().unacked_refs == 0
+
+
+def test_views_nest_and_acknowledge_on_exit_even_after_an_error(make_store: MakeStore) -> None:
+    writer, (reader,) = make_store()
+    a, b = writer.put("a", [b"first"]), writer.put("b", [b"second"])
+    with reader.view(a) as view_a, reader.view(b) as view_b:  # no deadlock on the reader lock
+        assert (bytes(view_a), bytes(view_b)) == (b"first", b"second")
+        assert writer.stats().unacked_refs == 2
+    assert writer.stats().unacked_refs == 0
+    with pytest.raises(RuntimeError), reader.view(writer.hit("a")):
+        raise RuntimeError("the consumer failed after reading")
+    assert writer.stats().unacked_refs == 0

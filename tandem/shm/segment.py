@@ -218,7 +218,8 @@ class Segment:
     def close(self, unlink: bool) -> None:
         """Unmap and, for the writer, unlink the file unless a newer writer replaced it.
 
-        Idempotent. Raises BufferError (nothing closed) while a payload view is still alive.
+        Idempotent. Raises BufferError, leaving the mapping open, while a payload view (or a
+        buffer made from one) is still alive; calling again after releasing it finishes.
         """
         if self._closed:
             return

@@ -434,54 +434,61 @@ class ShmReader:
 
     def get(self, desc: ShmDescriptor) -> bytes:
         """Validate, copy the object out, then acknowledge `desc.refs` in this slot."""
-        with self._lock:
-            with self._validated(desc) as view:
-                data = bytes(view)
-            self._ack(desc)
-            return data
+        with self._validated(desc) as view:
+            data = bytes(view)
+        self._ack(desc)
+        return data
 
     @contextlib.contextmanager
     def view(self, desc: ShmDescriptor) -> Iterator[memoryview]:
         """Validate and yield a zero-copy view; acknowledge on exit, after the view is released.
 
-        A buffer derived from the view (e.g. torch.frombuffer) must not outlive the block: if
-        one does, the view cannot be released and ShmError is raised without acknowledging.
+        Nothing made from the view may outlive the block: after the ack the writer may reuse
+        the bytes, and slices, numpy arrays or torch tensors made from the view keep pointing
+        at them (they hold the mapping, not an export the store could check). Copy out inside
+        the block, e.g. `torch.frombuffer(view, dtype=...).clone()`.
         """
-        with self._lock:
-            view = self._validated(desc)
-            try:
-                yield view
-            finally:
-                try:
-                    view.release()
-                except BufferError as exc:
-                    raise ShmError("a buffer derived from the view outlived the `with` block; "
-                                   "copy the data out first (not acknowledged)") from exc
-                self._ack(desc)
+        view = self._validated(desc)
+        try:
+            yield view
+        finally:
+            view.release()
+            self._ack(desc)
 
     def ack(self, desc: ShmDescriptor) -> None:
         """Validate and acknowledge without reading the payload."""
-        with self._lock:
-            self._validated(desc).release()
-            self._ack(desc)
+        self._validated(desc).release()
+        self._ack(desc)
 
     def close(self) -> None:
         self._segment.close(unlink=False)
 
     def _validated(self, desc: ShmDescriptor) -> memoryview:
-        seg = self._segment
-        seg.check_current()
-        seg.check_descriptor(desc)
-        refs = seg.word(desc.address, C_REFS)
-        acked = seg.word(desc.address, C_ACKS + self.slot)
+        with self._lock:
+            self._segment.check_current()
+            self._segment.check_descriptor(desc)
+            self._check_outstanding(desc)
+            return self._segment.payload(desc.address, desc.nbytes)
+
+    def _ack(self, desc: ShmDescriptor) -> None:
+        """Add desc.refs to this slot's counter: one 8-byte store, after a re-check.
+
+        NOTE: the lock is not held while the caller reads the payload (no deadlock when views
+        nest); the re-check under the lock makes a descriptor delivered twice to two threads
+        of this reader fail on its second ack instead of over-acknowledging.
+        """
+        with self._lock:
+            acked = self._check_outstanding(desc)
+            self._segment.set_word(desc.address, C_ACKS + self.slot, acked + desc.refs)
+
+    def _check_outstanding(self, desc: ShmDescriptor) -> int:
+        """This slot's acks so far; StaleDescriptor if desc.refs are not all outstanding."""
+        refs = self._segment.word(desc.address, C_REFS)
+        acked = self._segment.word(desc.address, C_ACKS + self.slot)
         if acked + desc.refs > refs:
             raise StaleDescriptor(f"slot {self.slot} already acked {acked} of {refs} refs; "
                                   f"{desc} would over-acknowledge")
-        return seg.payload(desc.address, desc.nbytes)
-
-    def _ack(self, desc: ShmDescriptor) -> None:
-        acked = self._segment.word(desc.address, C_ACKS + self.slot)
-        self._segment.set_word(desc.address, C_ACKS + self.slot, acked + desc.refs)
+        return acked
 
 
 def _byte_view(part: Part) -> memoryview:
