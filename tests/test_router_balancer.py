@@ -39,7 +39,8 @@ def _place(b: Balancer, keys=KEYS) -> dict[bytes, str]:
 
 
 def test_walk_is_a_stable_permutation_and_shares_are_even() -> None:
-    ring, again = HashRing(CELLS), HashRing(CELLS)
+    # Any router replica given the same cells, in any order, routes the same way.
+    ring, again = HashRing(CELLS), HashRing(CELLS[::-1])
     ring.check_invariants()
     for k in KEYS[:200]:
         order = list(ring.walk(k))
