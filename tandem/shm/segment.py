@@ -10,7 +10,7 @@ import contextlib
 import mmap
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.shm.descriptor import ShmDescriptor
 from tandem.shm.errors import SegmentCreateError, SegmentMismatch, StaleDescriptor
@@ -69,10 +69,10 @@ class Geometry:
     n_readers: int
     max_object_size: int
     generation: int
+    chunk_header_size: int = field(init=False)  # derived once: it is on every hot path
 
-    @property
-    def chunk_header_size(self) -> int:
-        return chunk_header_size(self.n_readers)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunk_header_size", chunk_header_size(self.n_readers))
 
 
 class Segment:
