@@ -241,8 +241,10 @@ class ShmWriter:
     def reset_reader_slot(self, slot: int) -> int:
         """A reader died: count all its outstanding refs as acknowledged; returns how many.
 
-        Call only once that reader process is known dead: this writes its ack slot. Descriptors
-        it had not acknowledged must be re-issued (`hit`) to its replacement, not re-sent.
+        Call only once that reader process is known dead: this writes its ack slot. Release
+        the descriptors of requests aborted because of the death first: one issued before the
+        reset can no longer be released (StaleDescriptor), as this slot already counts it.
+        Give the replacement reader new references (`hit`), never the old descriptors.
         """
         if not 0 <= slot < self._geometry.n_readers:
             raise ValueError(f"slot {slot} out of range 0..{self._geometry.n_readers - 1}")
