@@ -91,9 +91,10 @@ def bench_size(size: int, rounds: int, writer: ShmWriter, reader: ShmReader,
         with reader.view(writer.put(f"{size}-{next(counter)}", [src])) as view:
             assert view.nbytes == size
 
-    cases = {"memcpy": memcpy, "alloc+copy": lambda: bytes(memoryview(src)),
-             "shm put+get": put_get, "shm put+view": put_view,
-             "grpc inline": lambda: sink.call(src), "empty rpc": lambda: sink.call(bytes(40))}
+    cases: dict[str, Callable[[], object]] = {
+        "memcpy": memcpy, "alloc+copy": lambda: bytes(memoryview(src)),
+        "shm put+get": put_get, "shm put+view": put_view,
+        "grpc inline": lambda: sink.call(src), "empty rpc": lambda: sink.call(bytes(40))}
     names = list(cases)
     for fn in cases.values():  # warm-up: fault in buffers, connect, grow the allocator
         fn()

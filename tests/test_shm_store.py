@@ -54,7 +54,8 @@ def full_object(writer: ShmWriter) -> bytes:
 def test_round_trip_of_parts(make_store: MakeStore) -> None:
     writer, (reader,) = make_store()
     floats = array.array("f", [1.5, -2.0, 3.25])
-    parts = [b"head", bytearray(b"-mid-"), memoryview(floats)]
+    parts: list[bytes | bytearray | memoryview] = [b"head", bytearray(b"-mid-"),
+                                                   memoryview(floats)]
     expected = b"head-mid-" + floats.tobytes()
 
     desc = writer.put("x", parts)
