@@ -120,10 +120,8 @@ def image_span(trace_: RequestTrace | None, key: str, num_tokens: int,
 def _usage_attributes(request: Request, model: str) -> dict[str, str | int | float | list[str]]:
     cached = max(request.num_cached_tokens, 0)
     items = len(request.features)
-    reason = generate_pb2.FinishReason.Name(request.finish_reason).removeprefix("FINISH_REASON_")
     attributes: dict[str, str | int | float | list[str]] = {
         "gen_ai.response.id": request.request_id, "gen_ai.response.model": model,
-        "gen_ai.response.finish_reasons": [reason.lower()],
         "gen_ai.usage.input_tokens": request.num_prompt_tokens,  # cached ones included
         "gen_ai.usage.output_tokens": request.num_output_tokens,
         "gen_ai.usage.cache_read.input_tokens": cached,
@@ -133,6 +131,10 @@ def _usage_attributes(request: Request, model: str) -> dict[str, str | int | flo
         "tandem.request.preemptions": request.preemptions}
     if items:
         attributes["tandem.mm.cache_hit_ratio"] = request.mm_cache_hits / items
+    if request.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:  # else: cut short
+        reason = generate_pb2.FinishReason.Name(request.finish_reason)
+        attributes["gen_ai.response.finish_reasons"] = [reason.removeprefix("FINISH_REASON_")
+                                                        .lower()]
     return attributes
 
 

@@ -129,7 +129,7 @@ def _request_block(request: Span, server: Span | None, images: list[Span],
                    steps: list[Span]) -> Iterator[str]:
     a = request.attributes
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(request.start_ns / 1e9))
-    yield (f"request {a.get('gen_ai.response.id', '?')}  trace {request.trace_id}  {when}"
+    yield (f"request {a.get('gen_ai.response.id', '(rejected)')}  trace {request.trace_id}  {when}"
            + ("  ERROR " + str(a.get("error.type", "")) if request.error else ""))
     indent = ""
     if server is not None:
@@ -151,7 +151,9 @@ def _row(name: str, ms: float, columns: str) -> str:
 
 
 def _request_columns(a: dict[str, Any]) -> str:
-    prompt = a.get("gen_ai.usage.input_tokens", "?")
+    if "gen_ai.usage.input_tokens" not in a:
+        return "rejected before scheduling"
+    prompt = a["gen_ai.usage.input_tokens"]
     cached = a.get("gen_ai.usage.cache_read.input_tokens", "?")
     ratio = a.get("tandem.prefix_cache.hit_ratio")
     hit = f" ({ratio:.0%})" if isinstance(ratio, float) else ""

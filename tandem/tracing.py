@@ -15,6 +15,7 @@ or image bytes on a span: attributes are counts, sizes, hash prefixes and timing
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -144,8 +145,9 @@ class ServerSpanInterceptor(grpc.aio.ServerInterceptor):
     is the current span while the method runs, so spans the servicer starts are children.
     """
 
-    def __init__(self, services: Sequence[str]) -> None:
+    def __init__(self, services: Sequence[str], tracer_: trace.Tracer | None = None) -> None:
         self._services = frozenset(services)
+        self._tracer = tracer_ or tracer()
 
     async def intercept_service(
         self,
@@ -160,8 +162,8 @@ class ServerSpanInterceptor(grpc.aio.ServerInterceptor):
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
         def start() -> trace.Span:
-            return tracer().start_span(details.method, parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attributes)
+            return self._tracer.start_span(details.method, parent, kind=trace.SpanKind.SERVER,
+                                           attributes=attributes)
 
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
@@ -180,52 +182,68 @@ def _traced_unary(fn: Callable[..., Awaitable[Any]],
                   start: Callable[[], trace.Span]) -> Callable[..., Awaitable[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         span = start()
+        error: BaseException | None = None
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             return await fn(request, context)
         except BaseException as exc:
-            _record_failure(span, exc)
+            error = exc
             raise
         finally:
             otel_context.detach(token)
-            _end_server_span(span, context)
+            _end_server_span(span, context, error)
 
     return call
 
 
 def _traced_stream(fn: Callable[..., AsyncIterator[Any]],
                    start: Callable[[], trace.Span]) -> Callable[..., AsyncIterator[Any]]:
+    """The span is current only while the handler runs, never across a ``yield``.
+
+    NOTE: attaching once around the whole loop fails when the client cancels: the
+    generator is then closed from another context and the detach raises. Attaching per
+    ``__anext__`` keeps every attach and its detach in the same task.
+    """
+
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         span = start()
-        token = otel_context.attach(trace.set_span_in_context(span))
+        span_context = trace.set_span_in_context(span)
+        error: BaseException | None = None
+        responses = fn(request, context)
         try:
-            async for item in fn(request, context):
+            while True:
+                token = otel_context.attach(span_context)
+                try:
+                    item = await anext(responses)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    otel_context.detach(token)
                 yield item
         except BaseException as exc:
-            _record_failure(span, exc)
+            error = exc
             raise
         finally:
-            otel_context.detach(token)
-            _end_server_span(span, context)
+            _end_server_span(span, context, error)
 
     return call
 
 
-def _record_failure(span: trace.Span, exc: BaseException) -> None:
-    # The type only: exception messages may quote client input.
-    span.set_attribute("error.type", type(exc).__name__)
-    span.set_status(trace.StatusCode.ERROR)
-
-
-def _end_server_span(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
+def _end_server_span(span: trace.Span, context: grpc.aio.ServicerContext,
+                     error: BaseException | None) -> None:
+    """Status from the context (set by abort), else from how the handler ended."""
     code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code is not grpc.StatusCode.OK:
-            span.set_attribute("error.type", code.name)
-            span.set_status(trace.StatusCode.ERROR)
-    else:
-        span.set_attribute("rpc.grpc.status_code", 0)
+    if not isinstance(code, grpc.StatusCode):
+        if error is None:
+            code = grpc.StatusCode.OK
+        elif isinstance(error, GeneratorExit | asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+        else:
+            code = grpc.StatusCode.UNKNOWN
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        span.set_attribute("error.type", code.name)  # never the message: it may quote input
+        span.set_status(trace.StatusCode.ERROR)
     span.end()
 
 

@@ -9,6 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 from cells import Cell, png, request, running_cell
 from otlp_receiver import OtlpReceiver
@@ -72,7 +73,7 @@ def _both_services_exported(spans: list[Span]) -> bool:
     names = {(s.service, s.name.split(" ")[0]) for s in spans}
     return {("tandem-scheduler", "generate_content"), ("tandem-worker", "tandem.worker.step"),
             ("tandem-scheduler", "tandem.mm.process")} <= names and sum(
-        s.name.startswith("generate_content") for s in spans) >= 2
+        s.name.startswith("generate_content") for s in spans) >= 3
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
             traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
             usage = {FIRST: _generate(cell, FIRST, (("traceparent", traceparent),)),
                      SECOND: _generate(cell, SECOND)}
+            with pytest.raises(grpc.RpcError) as rejected:
+                list(cell.stub.Generate(request("", max_tokens=4), timeout=30))
+            assert rejected.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             after, worker = scrape(port), scrape(port + 1)
         # Stopping the cell flushes every process's spans.
         spans = receiver.wait_for(_both_services_exported)
@@ -165,6 +169,15 @@ def test_client_traceparent_becomes_the_parent(scenario: Scenario) -> None:
     assert not [s for s in scenario.spans if "Health" in s.name or "Reflection" in s.name]
 
 
+def test_rejected_request_is_an_error_span(scenario: Scenario) -> None:
+    [span] = [s for s in scenario.spans if s.name.startswith("generate_content")
+              and s.attributes.get("error.type") == "EMPTY_PROMPT"]
+    assert span.error and "gen_ai.response.id" not in span.attributes
+    [server] = [s for s in scenario.spans if s.span_id == span.parent_id]
+    assert server.error and server.attributes["error.type"] == "INVALID_ARGUMENT"
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
 def test_spans_never_carry_the_prompt(scenario: Scenario) -> None:
     words = {w for w in PROMPT.replace("<image>", " ").replace(",", " ").split() if len(w) > 4}
     values = []
@@ -200,10 +213,11 @@ def test_tandem_traces_renders_both_requests(scenario: Scenario,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     file_spans = read_spans(scenario.trace_file)
     assert {s.name for s in file_spans} == {s.name for s in scenario.spans}
-    assert main(["traces", "--file", str(scenario.trace_file), "-n", "2"]) == 0
-    text = capsys.readouterr().out
-    first, second = text.split(f"request {SECOND}")
-    assert f"request {FIRST}" in first and f"trace {CLIENT_TRACE_ID}" in first
+    assert main(["traces", "--file", str(scenario.trace_file), "-n", "3"]) == 0
+    first, second, rejected = capsys.readouterr().out.split("\n\n")
+    assert first.startswith(f"request {FIRST}  trace {CLIENT_TRACE_ID}")
+    assert second.startswith(f"request {SECOND}")
+    assert rejected.startswith("request (rejected)") and "ERROR EMPTY_PROMPT" in rejected
     u2 = scenario.usage[SECOND]
     assert "cached 0 " in first and "encoder 1" in first and " miss " in first
     assert f"cached {u2.cached_prompt_tokens} " in second and "encoder 0" in second

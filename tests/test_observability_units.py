@@ -7,17 +7,21 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import tracing
+from tandem.errors import ErrorMappingInterceptor
 from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
 from tandem.traces_view import read_spans, render
 
@@ -103,6 +107,48 @@ def test_trace_context_helpers() -> None:
     assert tracing.traceparent(trace.INVALID_SPAN) == ""
     parent = trace.get_current_span(tracing.context_from_metadata([("traceparent", header)]))
     assert parent.get_span_context().trace_id == span.get_span_context().trace_id
+
+
+def test_server_span_parents_handler_spans_and_survives_cancel(
+        caplog: pytest.LogCaptureFixture) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t")
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        tracer.start_span("inside").end()  # parented by the server span, as the servicer's
+        for _ in range(10_000):
+            yield bytes(1 << 16)  # flow control stalls the send: cancelled outside the handler
+
+    async def run() -> None:
+        interceptors = [tracing.ServerSpanInterceptor(["t.S"], tracer), ErrorMappingInterceptor()]
+        server = grpc.aio.server(interceptors=interceptors)  # the scheduler's chain
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "t.S", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/t.S/Stream")(b"", metadata=(("traceparent", caller),))
+            await call.read()
+            call.cancel()  # the handler's generator is closed from another context
+            for _ in range(200):
+                if len(exporter.get_finished_spans()) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        await server.stop(0)
+
+    asyncio.run(run())
+    server_span, inside = sorted(exporter.get_finished_spans(), key=lambda s: s.name)
+    assert server_span.name == "/t.S/Stream" and server_span.kind is trace.SpanKind.SERVER
+    _, trace_id, span_id, _ = caller.split("-")
+    assert f"{server_span.context.trace_id:032x}" == trace_id
+    assert server_span.parent is not None and f"{server_span.parent.span_id:016x}" == span_id
+    assert inside.parent is not None and inside.parent.span_id == server_span.context.span_id
+    assert server_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert server_span.status.status_code is trace.StatusCode.ERROR
+    assert "Failed to detach context" not in caplog.text
 
 
 def test_tracing_stays_off_without_an_exporter(monkeypatch: pytest.MonkeyPatch,
