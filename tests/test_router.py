@@ -78,20 +78,18 @@ class RouterThread:
 
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Cell]]:
+    """Three cells, started and stopped in parallel (each takes seconds either way)."""
     tmp = tmp_path_factory.mktemp("router-cells")
     managers = [running_cell(tmp / f"cell{i}") for i in range(3)]
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(m.__enter__) for m in managers]
-        started, errors = [], []
-        for manager, future in zip(managers, futures, strict=True):
-            try:
-                started.append(future.result())
-                stack.push(manager)
-            except Exception as exc:  # stop the others before failing
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        yield started
+        entered = [m for m, f in zip(managers, futures, strict=True) if f.exception() is None]
+        try:
+            if len(entered) < len(managers):
+                raise next(f.exception() for f in futures if f.exception() is not None)
+            yield [f.result() for f in futures]
+        finally:
+            list(pool.map(lambda m: m.__exit__(None, None, None), entered))
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +241,13 @@ def test_cli_router_serves_and_shuts_down_on_sigterm(cells: list[Cell], tmp_path
             stub = generate_pb2_grpc.GenerationStub(channel)
             out = list(stub.Generate(request(PROMPT, [png(2)], max_tokens=2), timeout=60))
             assert out[-1].usage.completion_tokens == 2
+        table = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "stats", "--target", f"127.0.0.1:{port}",
+             "--per-cell"], capture_output=True, text=True, timeout=60, check=True).stdout
+        header, *rows = (line.split() for line in table.splitlines())
+        assert header == ["field", "total", *(c.target for c in cells[:2])]
+        kv = next(r for r in rows if r[0] == "kv_blocks_total")
+        assert int(kv[1]) == int(kv[2]) + int(kv[3]) > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
