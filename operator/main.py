@@ -11,6 +11,8 @@ import argparse
 import kopf
 import tandem_operator  # noqa: F401  (registers the handlers)
 
+from tandem import tracing
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem operator", description=__doc__)
@@ -29,11 +31,15 @@ def run(argv: list[str] | None = None) -> int:
     """Run the operator until it is stopped (SIGINT/SIGTERM); returns the exit status."""
     args = parser().parse_args(argv)
     kopf.configure(verbose=args.verbose, debug=args.debug)
-    kopf.run(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        liveness_endpoint=args.liveness or None,
-    )
+    tracing.setup("tandem-operator")  # on only when OTEL_* / TANDEM_TRACE_FILE say so
+    try:
+        kopf.run(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            liveness_endpoint=args.liveness or None,
+        )
+    finally:
+        tracing.shutdown()
     return 0
