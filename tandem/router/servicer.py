@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry import context as otel_context
@@ -73,7 +73,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _relay(self, decision: RouteDecision, request: generate_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext,
-                     span: trace.Span) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                     span: trace.Span) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         call = self.pool.stubs[decision.cell].Generate(
