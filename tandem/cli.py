@@ -69,6 +69,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-size", type=parse_size, default=_env("KV_CACHE_SIZE", "256Mi"))
     p.add_argument("--gpu-memory-fraction", type=float,
                    default=float(_env("GPU_MEMORY_FRACTION", "0.8")))
+    p.add_argument("--tensor-parallel-size", type=int,
+                   default=int(_env("TENSOR_PARALLEL_SIZE", "1")),
+                   help="workers sharing one copy of the model (divides --workers)")
 
 
 def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
@@ -83,13 +86,16 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         metrics_port=args.metrics_port)
 
 
-def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = ""):
+def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
+                   tp_master: tuple[str, int] = ("127.0.0.1", 29500)):
     from worker_svc.config import WorkerConfig
 
     return WorkerConfig(
         model=args.model, shm_dir=args.shm_dir, rank=rank, world_size=world_size,
         worker_listen=listen, device=args.device, block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
+        tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
+        tp_master_port=tp_master[1],
         metrics_port=0 if not args.metrics_port else args.metrics_port + 1 + rank)
 
 
@@ -107,8 +113,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
     tracing_args = (args.otlp_endpoint, args.trace_file)
+    tp_master = ("127.0.0.1", _free_port())  # where the tensor-parallel ranks meet
     procs = [ctx.Process(target=_run_worker,
-                         args=(_worker_config(args, r, args.workers), tracing_args),
+                         args=(_worker_config(args, r, args.workers, tp_master=tp_master),
+                               tracing_args),
                          name=f"tandem-worker-{r}") for r in range(args.workers)]
     for p in procs:
         p.start()
@@ -124,6 +132,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.remove_shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)
     return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
@@ -186,7 +202,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _setup_tracing("tandem-worker", args)
     try:
-        serve(_worker_config(args, args.rank, args.workers, args.worker_listen))
+        serve(_worker_config(args, args.rank, args.workers, args.worker_listen,
+                             (args.tp_master_addr, args.tp_master_port)))
     finally:
         _shutdown_tracing()
     return 0
@@ -286,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=int(_env("WORKER_RANK", "0")))
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
     p.add_argument("--worker-listen", default=_env("WORKER_LISTEN", ""))
+    p.add_argument("--tp-master-addr", default=_env("TP_MASTER_ADDR", "127.0.0.1"),
+                   help="host of worker 0, where the tensor-parallel ranks meet")
+    p.add_argument("--tp-master-port", type=int, default=int(_env("TP_MASTER_PORT", "29500")))
 
     # Dispatched in main() before parsing; listed here for --help.
     add("operator", cmd_operator, "run the Kubernetes operator (kopf); flags: tandem operator -h")

@@ -22,6 +22,7 @@ from worker_svc.model_config import (
     ModelConfig,
     model_config_from_name,
 )
+from worker_svc.tensor_parallel import shard_model
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -42,8 +43,19 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """A preset by name, or the model in a directory written by :func:`export_model`."""
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
+               tp_rank: int = 0, tp: int = 1) -> Transformer:
+    """A preset by name, or the model in a directory written by :func:`export_model`;
+    with ``tp > 1`` only rank ``tp_rank``'s shard (``tensor_parallel.shard_model``).
+
+    NOTE: a shard is cut from the whole model on the CPU, then moved: simple, and the CPU
+    holds the full weights only while loading. Reading each rank's slice from the file
+    (``safe_open(...).get_slice``) was rejected while the models fit a host's memory.
+    """
+    if tp > 1:
+        model = load_model(name_or_path, torch.device("cpu"), dtype)
+        shard_model(model, tp_rank, tp)
+        return model.to(device)
     config = model_config_from_name(name_or_path)
     if name_or_path in PRESETS:
         return build_model(config, device, dtype)

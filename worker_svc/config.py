@@ -20,6 +20,9 @@ class WorkerConfig:
     kv_cache_bytes: int = 256 * MiB  # KV budget on CPU
     gpu_memory_fraction: float = 0.8  # KV budget on CUDA: fraction of free memory
     metrics_port: int = 0  # Prometheus /metrics (0 = off; served by the observability layer)
+    tensor_parallel_size: int = 1  # ranks sharing one copy of the model (divides world_size)
+    tp_master_addr: str = "127.0.0.1"  # host of worker 0, where the TP ranks meet
+    tp_master_port: int = 29500
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -28,6 +31,9 @@ class WorkerConfig:
             raise ValueError("block_size and kv_cache_bytes must be positive")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.tensor_parallel_size < 1 or self.world_size % self.tensor_parallel_size:
+            raise ValueError(f"{self.world_size} workers are not a multiple of "
+                             f"tensor_parallel_size {self.tensor_parallel_size}")
 
     @property
     def socket_path(self) -> Path:

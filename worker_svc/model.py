@@ -4,7 +4,8 @@ Contents, top to bottom: ``ModelInputs`` (one step's flattened batch), ``PagedKV
 ``Transformer`` (token embedding, image-embedding splice, blocks, head), ``TransformerBlock``,
 ``Attention`` (grouped-query, rotary, paged), ``FeedForward`` (SwiGLU). The config and its
 presets are in ``model_config.py``, RMSNorm and rotary in ``layers.py`` (shared with the
-vision tower in ``vision.py``), weights on disk in ``checkpoint.py``.
+vision tower in ``vision.py``), weights on disk in ``checkpoint.py``; ``tensor_parallel.py``
+rewrites a built model into one rank's shard (per-layer head counts, hooks), not this file.
 
 A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
 the whole step at once, and only attention goes sequence by sequence, reading each
@@ -123,7 +124,7 @@ class Transformer(nn.Module):
         device, dtype = self.output.weight.device, self.output.weight.dtype
         for layer in self.layers:
             layer.attention.kv_cache = PagedKVCache(
-                num_blocks, block_size, c.n_kv_heads, c.head_dim, dtype).to(device)
+                num_blocks, block_size, layer.attention.n_kv_heads, c.head_dim, dtype).to(device)
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device)
         self.rope_components = pair_components(c.mrope_section, device)
         self.visual.setup_caches(device)

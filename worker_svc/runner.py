@@ -27,6 +27,7 @@ from worker_svc.request_state import (
 from worker_svc.sampler import exponential_noise, sample, token_seed
 from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
 from worker_svc.synthetic import synthetic_image
+from worker_svc.tensor_parallel import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class StepRunner:
     inputs and outputs, then the resolved features), so a rejected step leaves the states,
     the encoder cache and the KV cache as they were. The one effect that survives a step
     rejected after its features were resolved is the acknowledgement of its address items:
-    a descriptor counts as delivered once this worker has read it.
+    a descriptor counts as delivered once this worker has read it. Under tensor
+    parallelism the ranks agree on the checks (``tp.all_ok``) before the commit point, so
+    a step is applied by all ranks of the group or by none.
 
     Invariants: every held request satisfies ``RequestState.check_invariants`` for the
     cache geometry; the encoder cache satisfies its own. Only ``step`` mutates
@@ -60,9 +63,10 @@ class StepRunner:
     """
 
     def __init__(self, model: Transformer, receiver: ShmReceiverCache | None,
-                 debug_invariants: bool = False) -> None:
+                 debug_invariants: bool = False, tp: TensorParallelGroup | None = None) -> None:
         assert model.num_blocks > 0, "call model.setup_caches before building a runner"
         self.model = model
+        self.tp = tp  # None: the whole model is here
         self.config = model.config
         self.device = model.output.weight.device
         self.receiver = receiver
@@ -72,9 +76,17 @@ class StepRunner:
 
     @torch.inference_mode()
     def step(self, step: StepInput) -> StepOutput:
-        self._validate(step)
-        new_states, resolved, acked = self._admit(step)
-        self._check_encoder_payloads(step, new_states)
+        try:
+            self._validate(step)
+            new_states, resolved, acked = self._admit(step)
+            self._check_encoder_payloads(step, new_states)
+        except Exception:
+            if self.tp is not None:
+                self.tp.all_ok(False)  # the peers reject the step too and stay paired
+            raise
+        if self.tp is not None and not self.tp.all_ok(True):
+            raise FailedPrecondition("another tensor-parallel rank rejected this step",
+                                     reason="PEER_REJECTED_STEP")
         # Commit point: nothing below raises for a step that passed the checks above.
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)

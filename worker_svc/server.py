@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.runner import StepRunner
 from worker_svc.step_codec import step_from_proto, step_output_to_proto
 from worker_svc.step_telemetry import StepTelemetry
+from worker_svc.tensor_parallel import GroupLost, join_group, leave_group, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +60,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: StepRunner | None = None
         self.describe = worker_pb2.DescribeResponse()
         self.telemetry = StepTelemetry(config.rank)
+        # Called when this rank's tensor-parallel group broke; ``serve`` stops the process.
+        self.on_group_lost: Callable[[], None] = lambda: None
 
     def load(self) -> None:
         """Load the model, size the KV cache, warm up (runs on the step thread)."""
         c = self.config
-        device = resolve_device(c.device)
+        tp = c.tensor_parallel_size
+        device = rank_device(resolve_device(c.device), c.rank, tp)
         dtype = compute_dtype(device)
-        model = load_model(c.model, device, dtype)
+        group = join_group(c, device) if tp > 1 else None  # blocks until the peers arrive
+        model = load_model(c.model, device, dtype, c.rank % tp, tp)
+        if group is not None:
+            group.all_reduce_outputs(model)
         model.setup_caches(kv_cache_blocks(c, model.config, device, dtype), c.block_size)
         runner = StepRunner(model, ShmReceiverCache(c.shm_dir, c.rank),
-                            debug_invariants=os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1")
+                            debug_invariants=os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1",
+                            tp=group)
         runner.warm_up()
         self.describe = worker_pb2.DescribeResponse(
             model=c.model, model_config_json=model.config.to_json(),
@@ -90,7 +99,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self.ready.is_set():
             raise Unavailable("the worker is still warming up", reason="WARMING_UP")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._step, request)
+        try:
+            return await loop.run_in_executor(self.executor, self._step, request)
+        except GroupLost:
+            log.error("worker %d lost its tensor-parallel group; stopping", self.config.rank)
+            self.on_group_lost()
+            raise
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         assert self.runner is not None
@@ -100,12 +114,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         if self.runner is not None and self.runner.receiver is not None:
             self.runner.receiver.close()
+        leave_group()
 
 
 def kv_cache_blocks(config: WorkerConfig, model_config: ModelConfig, device: torch.device,
                     dtype: torch.dtype) -> int:
     """Blocks that fit the budget: bytes on CPU, a fraction of free memory on CUDA."""
-    per_block = model_config.kv_bytes_per_block(config.block_size, dtype.itemsize)
+    per_block = (model_config.kv_bytes_per_block(config.block_size, dtype.itemsize)
+                 // config.tensor_parallel_size)  # each rank holds its KV heads only
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_fraction)
@@ -217,6 +233,7 @@ async def _serve(config: WorkerConfig) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             loop.add_signal_handler(sig, stop.set)
     worker = await create_server(config)
+    worker.servicer.on_group_lost = stop.set  # a restarted process re-forms the group
     log.info("worker %d listening on %s", config.rank, ", ".join(worker.addresses))
     stopping = asyncio.create_task(stop.wait())
     try:
