@@ -8,6 +8,7 @@ alone, so a cache hit costs no decoding.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,13 @@ from scheduler_svc.request_telemetry import RequestTrace, image_span
 from tandem import tokenizer
 from tandem.errors import InvalidInput
 from tandem.feature_codec import tensor_from_proto
-from tandem.features import FieldElem, MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+from tandem.features import (
+    FeatureData,
+    FieldElem,
+    MultiModalFeatureSpec,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
 from tandem.processor_cache import ProcessorCache
 from tandem.v1 import generate_pb2
 
@@ -50,6 +57,7 @@ class InputProcessor:
         self.limits = limits
         self.images = images
         self.max_model_tokens = max_model_tokens  # prompt + outputs must fit the KV pool
+        self._processing: dict[str, asyncio.Future[MultiModalKwargsItem]] = {}
 
     async def to_request(self, msg: generate_pb2.GenerateRequest, cache: ProcessorCache,
                          offload: Offload, trace: RequestTrace | None = None) -> Request:
@@ -68,23 +76,63 @@ class InputProcessor:
                                f"({sampling.max_tokens}) exceeds the KV cache of "
                                f"{self.max_model_tokens} tokens", "CONTEXT_TOO_LONG")
         hits = 0
-        with cache.pinned([im.key for im in images]):
-            for i, im in enumerate(images):
-                with image_span(trace, im.key, im.num_tokens, im.media) as span:
-                    data = cache.lookup(im.key)
-                    hit = data is not None
-                    if data is None:
-                        item = await offload(lambda im=im: self.process(im.media))
-                        data = cache.store(im.key, item)
-                    span.done(cache.kind, hit, data)
-                hits += hit
-                features[i] = _with_data(features[i], data)
+        acquired: list[FeatureData] = []
+        try:
+            with cache.pinned([im.key for im in images]):
+                for i, im in enumerate(images):
+                    with image_span(trace, im.key, im.num_tokens, im.media) as span:
+                        data, hit = await self._acquire(im, cache, offload)
+                        acquired.append(data)
+                        span.done(cache.kind, hit, data)
+                    hits += hit
+                    features[i] = _with_data(features[i], data)
+        except BaseException:
+            # A later image failed (or the client left): give back what was acquired.
+            for data in acquired:
+                cache.release(data)
+            raise
         return Request(
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=list(msg.images), mm_cache_hits=hits,
             undelivered=True, trace=trace,
         )
+
+    async def _acquire(self, im: _Image, cache: ProcessorCache,
+                       offload: Offload) -> tuple[FeatureData, bool]:
+        """The image's data from the cache, or processed once even when requests race.
+
+        Concurrent misses on one key wait for the first to finish processing and then
+        hit what it stored, instead of processing again (and colliding on the put).
+        """
+        pending = self._processing.get(im.key)
+        if pending is not None:
+            try:
+                item = await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if not pending.cancelled():
+                    raise  # this request was cancelled
+                return await self._acquire(im, cache, offload)  # the processing one was
+            data = cache.lookup(im.key)
+            return (data, True) if data is not None else (item, False)
+        data = cache.lookup(im.key)
+        if data is not None:
+            return data, True
+        future: asyncio.Future[MultiModalKwargsItem] = asyncio.get_running_loop().create_future()
+        self._processing[im.key] = future
+        try:
+            item = await offload(lambda: self.process(im.media))
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved here; waiters still receive it
+            raise
+        finally:
+            del self._processing[im.key]
+        future.set_result(item)
+        return cache.store(im.key, item), False
 
     def sampling(self, msg: generate_pb2.GenerateRequest) -> Sampling:
         s, lim = msg.sampling, self.limits

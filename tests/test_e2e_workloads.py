@@ -119,6 +119,9 @@ def _tensor_image(t: torch.Tensor) -> generate_pb2.GenerateRequest:
 BAD = {
     "corrupt-png": (request("<image>", [b"\x89PNG\r\n\x1a\nnot really"]), "INVALID_ARGUMENT"),
     "truncated-jpeg": (request("<image>", [_jpeg_truncated()]), "INVALID_ARGUMENT"),
+    # The first image is stored (a reference issued) before the second fails to decode.
+    "good-then-truncated": (request("<image><image>", [png(7), png(8)[:600]]),
+                            "INVALID_ARGUMENT"),
     "zero-size": (request("<image>", [b""]), "INVALID_ARGUMENT"),
     "one-pixel": (request("<image>", [png(1, 1, 1)]), "OK"),
     "bomb": (request("<image>", [_bomb()]), "INVALID_ARGUMENT"),
@@ -145,6 +148,29 @@ BAD = {
 def cell(tmp_path_factory: pytest.TempPathFactory):
     with running_cell(tmp_path_factory.mktemp("bad")) as c:
         yield c
+
+
+def test_concurrent_first_requests_for_one_image_process_it_once(cell) -> None:
+    image = png(4242, 200, 120)
+    before = cell.stats()
+    results: list[object] = []
+
+    def client() -> None:
+        try:
+            results.append(cell.generate("Same picture <image> at once", [image], 4)[2].usage)
+        except grpc.RpcError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 4 and all(not isinstance(r, Exception) for r in results), results
+    assert sum(u.mm_cache_hits for u in results) == 3
+    after = cell.stats()
+    assert after.mm_cache_misses_total - before.mm_cache_misses_total == 1
+    assert after.shm_unacked_refs == 0
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
