@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.router.balancer import Balancer
 from tandem.router.cell_stats import aggregate, format_per_cell, parse_per_cell, per_cell_metadata
+from tandem.router.metrics import BalancerCollector
 from tandem.router.ring import HashRing
 from tandem.router.routing_key import routing_key
 from tandem.v1 import generate_pb2
@@ -181,3 +183,22 @@ def test_stats_sum_and_per_cell_round_trip() -> None:
     table = format_per_cell(total, cells).splitlines()
     assert table[0].split() == ["field", "total", "h1:1", "h2:2", "h3:3"]
     assert ["mm_cache_hits_total", "7", "3", "4", "-"] in [row.split() for row in table]
+
+
+def test_metrics_report_decisions_per_cell_and_reason() -> None:
+    b = Balancer(["a:1", "b:2"], load_factor=1.0)
+    for cell in b.cells:
+        b.set_healthy(cell, True)
+    routed = [b.route(f"key-{i}".encode()) for i in range(6)]
+    b.set_healthy("b:2", False)
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(b))
+    text = generate_latest(registry).decode()
+    for cell in b.cells:
+        for reason in ("affinity", "spill", "failover"):
+            count = b.decisions[(cell, reason)]
+            line = f'tandem_route_decisions_total{{cell="{cell}",reason="{reason}"}} {count}.0'
+            assert line in text
+        assert f'tandem_route_in_flight{{cell="{cell}"}} {b.in_flight[cell]}.0' in text
+    assert sum(d is not None for d in routed) == 6 == sum(b.decisions.values())
+    assert 'tandem_route_cell_serving{cell="b:2"} 0.0' in text

@@ -11,10 +11,14 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
+from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
+from tandem.metrics import MetricsEndpoint
 from tandem.router.balancer import Balancer
 from tandem.router.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
+from tandem.router.metrics import BalancerCollector
 from tandem.router.servicer import RouterServicer
 from tandem.v1 import generate_pb2_grpc
 
@@ -36,6 +40,7 @@ class RouterConfig:
     load_factor: float = 1.25
     block_size: int = 16
     health_interval: float = 1.0
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
 
 
 @dataclass
@@ -44,6 +49,7 @@ class RouterServer:
     port: int
     pool: CellPool
     health: health.aio.HealthServicer
+    metrics: MetricsEndpoint | None = None
 
     @property
     def balancer(self) -> Balancer:
@@ -56,6 +62,8 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.pool.close()
+        if self.metrics is not None:
+            await self.metrics.close()
 
 
 async def create_router(config: RouterConfig) -> RouterServer:
@@ -72,8 +80,11 @@ async def create_router(config: RouterConfig) -> RouterServer:
         asyncio.get_running_loop().create_task(publish())
 
     pool = CellPool(balancer, config.health_interval, on_change)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
+    if tracing.enabled():  # route spans then join the server span of the client's trace
+        interceptors.insert(0, tracing.ServerSpanInterceptor([SERVICE_NAME]))
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=interceptors,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.keepalive_permit_without_calls", 1),
                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
@@ -88,9 +99,14 @@ async def create_router(config: RouterConfig) -> RouterServer:
     await server.start()
     await pool.start()
     await publish()
+    metrics = None
+    if config.metrics_port:
+        registry = CollectorRegistry()
+        registry.register(BalancerCollector(balancer))
+        metrics = await MetricsEndpoint.start(registry, config.metrics_port)
     log.info("router serving %s on port %d over %d cells (%d up), load factor %.2f",
              SERVICE_NAME, port, len(config.cells), len(balancer.healthy), config.load_factor)
-    return RouterServer(server, port, pool, health_servicer)
+    return RouterServer(server, port, pool, health_servicer, metrics)
 
 
 async def serve(config: RouterConfig) -> None:

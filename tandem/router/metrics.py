@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router: decisions per cell and reason, load, health."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.router.balancer import REASONS, Balancer
+
+
+class BalancerCollector(Collector):
+    """Reads the balancer's own counters at scrape time (nothing is counted twice)."""
+
+    def __init__(self, balancer: Balancer) -> None:
+        self._balancer = balancer
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._balancer
+        decisions = CounterMetricFamily(
+            "tandem_route_decisions", "Requests routed, by cell and reason "
+            "(affinity: the key's own cell; spill: over the load bound; failover: cell down)",
+            labels=["cell", "reason"])
+        for cell in b.cells:
+            for reason in REASONS:
+                decisions.add_metric([cell, reason], b.decisions[(cell, reason)])
+        yield decisions
+        in_flight = GaugeMetricFamily("tandem_route_in_flight", "Requests in flight per cell",
+                                      labels=["cell"])
+        healthy = GaugeMetricFamily("tandem_route_cell_serving",
+                                    "1 while the cell's health is SERVING", labels=["cell"])
+        for cell in b.cells:
+            in_flight.add_metric([cell], b.in_flight[cell])
+            healthy.add_metric([cell], int(cell in b.healthy))
+        yield in_flight
+        yield healthy
