@@ -40,6 +40,10 @@ def _add_common(p: argparse.ArgumentParser, shm_default: str) -> None:
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="Prometheus /metrics port (0 = off); `serve` workers use the next ones")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    _add_tracing_flags(p)
+
+
+def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
     # Both default to their variables, read by tandem.tracing.setup (None = not given).
     p.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/gRPC collector host:port or URL (default: "
@@ -237,9 +241,14 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not cells:
         print("tandem router: --cells (or TANDEM_ROUTER_CELLS) names no cell", file=sys.stderr)
         return 2
-    asyncio.run(serve(RouterConfig(
-        cells=cells, listen=args.listen, load_factor=args.load_factor,
-        block_size=args.block_size, health_interval=args.health_interval)))
+    _setup_tracing("tandem-router", args)
+    try:
+        asyncio.run(serve(RouterConfig(
+            cells=cells, listen=args.listen, load_factor=args.load_factor,
+            block_size=args.block_size, health_interval=args.health_interval,
+            metrics_port=args.metrics_port)))
+    finally:
+        _shutdown_tracing()
     return 0
 
 
@@ -320,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float,
                    default=float(_env("ROUTER_HEALTH_INTERVAL", "1.0")), help="seconds")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                   help="Prometheus /metrics port (0 = off)")
+    _add_tracing_flags(p)
 
     p = add("traces", cmd_traces, "show the last requests of a trace file as span trees")
     p.add_argument("--file", default=os.environ.get("TANDEM_TRACE_FILE", ""),
