@@ -19,7 +19,7 @@ from pathlib import Path
 from tandem.errors import FailedPrecondition
 from tandem.feature_codec import item_from_buffer
 from tandem.features import MultiModalFeatureSpec
-from tandem.shm import ShmDescriptor, ShmReader
+from tandem.shm import SegmentMismatch, ShmDescriptor, ShmReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +51,8 @@ class ShmReceiverCache:
         self.close()
         try:
             reader = ShmReader(self.shm_dir / name, self.slot)
-        except FileNotFoundError as exc:
-            raise FailedPrecondition(f"segment {name!r} not found in the shared directory",
+        except SegmentMismatch as exc:  # missing, retired, or not a segment of this layout
+            raise FailedPrecondition(f"cannot attach segment {name!r}: {exc}",
                                      reason="SHM_SEGMENT_MISSING") from exc
         if reader.generation != generation:
             reader.close()

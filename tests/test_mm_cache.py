@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.errors import FailedPrecondition
 from tandem.features import FieldElem, MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from tandem.processor_cache import LruProcessorCache, ProcessorCache, ShmProcessorCache
 from tandem.receiver_cache import ShmReceiverCache
@@ -173,3 +174,11 @@ def test_lru_cache_hits_and_evicts_by_bytes() -> None:
     assert cache.store("huge", huge) is huge and cache.lookup("huge") is None
     c = cache.counters()
     assert (c.hits, c.misses) == (2, 5)
+
+
+def test_attaching_a_missing_segment_is_a_clear_precondition(tmp_path: Path) -> None:
+    receiver = ShmReceiverCache(tmp_path, slot=0)
+    with pytest.raises(FailedPrecondition) as err:
+        receiver.ensure_segment("features.seg", 12345)
+    assert err.value.reason == "SHM_SEGMENT_MISSING"
+    assert receiver.generation == 0
