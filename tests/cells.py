@@ -61,6 +61,24 @@ class Cell:
         stub = health_pb2_grpc.HealthStub(self.channel)
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes ``tandem serve`` spawned (not its resource tracker)."""
+        return spawned_children(self.proc.pid)
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Children of ``pid`` started by multiprocessing's spawn (workers), in pid order."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    out = []
+    for child in sorted(set(pids)):
+        with contextlib.suppress(FileNotFoundError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+    return out
+
 
 def request(prompt: str, images: list[bytes] = (), max_tokens: int = 8, cache_salt: str = "",
             **sampling: object) -> generate_pb2.GenerateRequest:
