@@ -1,7 +1,8 @@
 """The kopf handlers: one decorator, one small function, each a guard and a delegation.
 
 - resume/create/update(spec) `reconcile`: place the cells, then one sub-handler per cell
-  (`cell-<i>`, rolled one at a time), `services` and `prune` (scale-down).
+  (`cell-<i>`, rolled one at a time), `services` (and the router with several cells) and
+  `prune` (scale-down).
 - timer `observe`: repair colocation and publish the level-based status.
 - delete `cleanup`: a finalizer that removes the cells' segment directories with Jobs.
 """
@@ -22,8 +23,9 @@ from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, NodeInfo, PodL
 from tandem_operator.placement import node_info as parse_node
 from tandem_operator.placement import pod_load as parse_pod_load
 from tandem_operator.reconcile import (
+    Front,
     apply_cell,
-    apply_services,
+    apply_front,
     cleanup_segments,
     loads_of,
     nodes_of,
@@ -173,7 +175,9 @@ async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.S
 
 async def services_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
                            memo: kopf.Memo, **_: Any) -> None:
-    await apply_services(memo["kube"], body, parse_spec(name, namespace, spec))
+    """Sub-handler `services`: the Services and the router over the recorded cells."""
+    await apply_front(memo["kube"], body, parse_spec(name, namespace, spec),
+                      memo["tandem_state"])
 
 
 async def prune_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
@@ -188,7 +192,8 @@ async def observe(name: str, namespace: str, spec: kopf.Spec, status: kopf.Statu
                   meta: kopf.Meta, body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch,
                   node_index: kopf.Index[str, NodeInfo], pod_load_index: kopf.Index[str, PodLoad],
                   tandem_pod_index: PodIndex, **_: Any) -> None:
-    """Level-based pass: repair colocation, then publish status recomputed from the pods."""
+    """Level-based pass: repair colocation, converge the Service and the router, then
+    publish status recomputed from the pods."""
     with handler_span("observe", namespace, name):
         try:
             tsvc = parse_spec(name, namespace, spec)
@@ -203,6 +208,8 @@ async def observe(name: str, namespace: str, spec: kopf.Spec, status: kopf.Statu
         for message in await repair(memo["kube"], body, tsvc, state, nodes,
                                     loads_of(pod_load_index), pods):
             kopf.warn(body, reason="CellRepaired", message=message)
+        if state.front != Front.wanted(tsvc, state.cells):
+            await apply_front(memo["kube"], body, tsvc, state)
         payload = status_payload(tsvc, state, pods, status, now(), meta["generation"])
         patch.status.update(changed_status(status, payload))
 

@@ -24,6 +24,7 @@ _KINDS = {  # kind -> (API class, method suffix)
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
     "StatefulSet": (kubernetes.client.AppsV1Api, "namespaced_stateful_set"),
+    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Job": (kubernetes.client.BatchV1Api, "namespaced_job"),
 }
 
@@ -49,7 +50,8 @@ def _message(e: ApiException) -> str:
 
 
 class KubeApi:
-    """Create-or-update, delete and read for ConfigMaps, Services, Pods, StatefulSets, Jobs."""
+    """Create-or-update, delete and read for ConfigMaps, Services, Pods, StatefulSets,
+    Deployments, Jobs."""
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client

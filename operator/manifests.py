@@ -17,6 +17,7 @@ CELL_MOUNT = "/var/run/tandem-cell"
 SCHEDULER_METRICS_PORT = 9400
 WORKER_METRICS_PORT = 9401
 WORKER_PORT = 50061
+TP_PORT = 29500  # the tensor-parallel rendezvous, served by worker 0 of a cell
 CONFIG_HASH = "tandem.dev/config-hash"
 GENERATION = "tandem.dev/segment-generation"
 NODE = "tandem.dev/node"  # on StatefulSets: the node their cell was placed on
@@ -31,6 +32,16 @@ def child_name(spec: TandemSpec, cell: int, role: str) -> str:
 
 def service_name(spec: TandemSpec, headless: bool = False) -> str:
     return f"{spec.name}-headless" if headless else spec.name
+
+
+def workers_service_name(spec: TandemSpec) -> str:
+    """The headless Service governing the worker StatefulSets: stable pod DNS names."""
+    return f"{spec.name}-workers"
+
+
+def pod_dns(spec: TandemSpec, pod: str, service: str) -> str:
+    """A StatefulSet pod's own DNS name through the headless Service that governs it."""
+    return f"{pod}.{service}.{spec.namespace}.svc"
 
 
 def endpoint(spec: TandemSpec) -> str:
@@ -87,14 +98,33 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         "TANDEM_WORKER_ADDRESSES": ",".join(
             f"unix://{SHM_MOUNT}/worker-{rank}.sock" for rank in range(workers)),
         "TANDEM_DEVICE": spec.worker.device,
+        **tensor_parallel_config(spec, cell.index),
         "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
                                      f"tandem.service={spec.name},tandem.cell={cell.index}"),
     }
-    if spec.tracing.endpoint:
-        data |= {"OTEL_EXPORTER_OTLP_ENDPOINT": spec.tracing.endpoint,
-                 "OTEL_TRACES_SAMPLER": spec.tracing.sampler,
-                 "OTEL_TRACES_SAMPLER_ARG": spec.tracing.ratio}
-    return data
+    return data | tracing_config(spec)
+
+
+def tracing_config(spec: TandemSpec) -> dict[str, str]:
+    """The OTLP exporter settings, when the spec names a collector."""
+    if not spec.tracing.endpoint:
+        return {}
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": spec.tracing.endpoint,
+            "OTEL_TRACES_SAMPLER": spec.tracing.sampler,
+            "OTEL_TRACES_SAMPLER_ARG": spec.tracing.ratio}
+
+
+def tensor_parallel_config(spec: TandemSpec, cell: int) -> dict[str, str]:
+    """Where a cell's workers meet for tensor parallelism: worker 0 by its stable DNS name.
+
+    Empty without tensor parallelism, so such cells' config (and hash) stays as it was.
+    """
+    tp = spec.worker.tensor_parallel_size
+    if tp == 1:
+        return {}
+    master = pod_dns(spec, f"{child_name(spec, cell, 'workers')}-0", workers_service_name(spec))
+    return {"TANDEM_TENSOR_PARALLEL_SIZE": str(tp), "TANDEM_TP_MASTER_ADDR": master,
+            "TANDEM_TP_MASTER_PORT": str(TP_PORT)}
 
 
 def config_hash(data: dict[str, str]) -> str:
@@ -114,11 +144,15 @@ def build_configmap(spec: TandemSpec, cell: Cell) -> dict[str, Any]:
     }
 
 
-def build_service(spec: TandemSpec, headless: bool = False) -> dict[str, Any]:
-    """Generate across all cells' schedulers; the headless twin lists the pods themselves, for
-    clients that balance on their own (gRPC `round_robin` over `dns:///<name>-headless`)."""
+def build_service(spec: TandemSpec, headless: bool = False, routed: bool = False,
+                  ) -> dict[str, Any]:
+    """Generate for clients: across all cells' schedulers, or through the router when
+    `routed` (the caller sets it once the router is available). The headless twin always lists
+    the scheduler pods: clients that balance on their own (gRPC `round_robin` over
+    `dns:///<name>-headless`) and the router reach the cells through it."""
+    target = "router" if routed and not headless else "scheduler"
     svc_spec: dict[str, Any] = {
-        "selector": selector_labels(spec, "scheduler"),
+        "selector": selector_labels(spec, target),
         "ports": [{"name": "grpc", "port": spec.scheduler.port, "targetPort": "grpc",
                    "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
     }
@@ -132,6 +166,24 @@ def build_service(spec: TandemSpec, headless: bool = False) -> dict[str, Any]:
         "metadata": {"name": service_name(spec, headless), "namespace": spec.namespace,
                      "labels": labels(spec, "scheduler")},
         "spec": svc_spec,
+    }
+
+
+def build_workers_service(spec: TandemSpec) -> dict[str, Any]:
+    """Headless Service of every cell's workers: each worker pod gets a DNS name, published
+    before it is Ready (a worker turns Ready only after the rendezvous it is needed for)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": workers_service_name(spec), "namespace": spec.namespace,
+                     "labels": labels(spec, "worker")},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(spec, "worker"),
+            "ports": [{"name": "rendezvous", "port": TP_PORT, "targetPort": TP_PORT,
+                       "protocol": "TCP"}],
+        },
     }
 
 

@@ -30,6 +30,7 @@ from tandem_operator.manifests import (
     build_cleanup_job,
     build_configmap,
     build_service,
+    build_workers_service,
     cell_config,
     child_name,
     config_hash,
@@ -37,8 +38,27 @@ from tandem_operator.manifests import (
     scale_selector,
 )
 from tandem_operator.placement import INSTANCE_LABEL, Cell, NodeInfo, PodLoad, place_cells
+from tandem_operator.router import (
+    build_router_configmap,
+    build_router_deployment,
+    router_available,
+    router_name,
+)
 from tandem_operator.spec import TandemSpec
 from tandem_operator.workloads import build_pod_template, build_statefulset
+
+
+@dataclass(frozen=True)
+class Front:
+    """What clients reach: whether the Service points at the router, and the cells the
+    router lists (none without a router)."""
+
+    routed: bool
+    cells: tuple[int, ...]
+
+    @classmethod
+    def wanted(cls, spec: TandemSpec, cells: Sequence[Cell]) -> Front:
+        return cls(True, tuple(c.index for c in cells)) if spec.routed else cls(False, ())
 
 
 @dataclass
@@ -49,12 +69,13 @@ class ServiceState:
     snapshot, so placement needs one current value with one writer at a time; it lives here,
     seeded from `status.cells` after an operator restart, and `status` is its published copy.
     Invariants: `cells[i].index == i` and each Cell's own invariants hold; `rejected` holds
-    only indexes of cells. `cells` is replaced only under `lock`.
+    only indexes of cells. `cells` and `front` are replaced only under `lock`.
     """
 
     cells: list[Cell]
     rejected: dict[int, str] = field(default_factory=dict)  # cell -> Pod Security message
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    front: Front | None = None  # what apply_front last applied; None: not yet (or restarted)
 
     def check_invariants(self) -> None:
         for i, cell in enumerate(self.cells):
@@ -152,11 +173,43 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
         await kube.apply(obj)
 
 
-async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec) -> None:
-    objs = [build_service(spec), build_service(spec, headless=True)]
+async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
+                         cells: Sequence[Cell]) -> Front:
+    """Apply the Services, and the router when `spec.routed`; return the Front applied.
+
+    The Service moves to the router only once a router pod is available (until then it keeps
+    balancing over the schedulers), and back to the schedulers before the router is deleted.
+    """
+    routed = False
+    if spec.routed:
+        router = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
+        kopf.adopt(router, owner=owner)
+        for obj in router:
+            await kube.apply(obj)
+        routed = router_available(await kube.read("Deployment", spec.namespace,
+                                                  router_name(spec)))
+    objs = [build_service(spec, routed=routed), build_service(spec, headless=True),
+            build_workers_service(spec)]
     kopf.adopt(objs, owner=owner)
     for obj in objs:
         await kube.apply(obj)
+    if not spec.routed:  # already gone is fine
+        await kube.delete("Deployment", spec.namespace, router_name(spec))
+        await kube.delete("ConfigMap", spec.namespace, router_name(spec))
+    return Front(routed, Front.wanted(spec, cells).cells)
+
+
+async def apply_front(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
+                      state: ServiceState) -> None:
+    """`apply_services` for the recorded cells, remembering what it applied.
+
+    The `services` sub-handler calls it on every spec change; the observe timer calls it
+    whenever `state.front` differs from what the spec wants, which switches the Service once
+    the router is available, and converges a spec that changed again while kopf was still
+    handling the previous change (kopf does not re-run sub-handlers that already succeeded).
+    """
+    async with state.lock:
+        state.front = await apply_services(kube, owner, spec, state.cells)
 
 
 async def cleanup_generation(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, cell: int,

@@ -77,6 +77,14 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    enabled: bool
+    replicas: int
+    load_factor: float
+    resources: Resources
+
+
+@dataclass(frozen=True)
 class TracingSpec:
     endpoint: str
     sampler: str
@@ -109,11 +117,16 @@ class TandemSpec:
     run_as_user: int
     run_as_group: int
     tracing: TracingSpec
-    router_enabled: bool
+    router: RouterSpec
 
     @property
     def cache_bytes_requested(self) -> int:
         return 0 if self.cache.type == "none" else self.cache.size
+
+    @property
+    def routed(self) -> bool:
+        """Whether a router fronts the cells: enabled, and more than one cell to choose from."""
+        return self.router.enabled and self.cells > 1
 
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
@@ -194,7 +207,12 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         run_as_user=s["securityContext"]["runAsUser"],
         run_as_group=s["securityContext"]["runAsGroup"],
         tracing=TracingSpec(tracing["endpoint"], tracing["sampler"], tracing["ratio"]),
-        router_enabled=s["router"]["enabled"],
+        router=RouterSpec(
+            enabled=s["router"]["enabled"],
+            replicas=s["router"]["replicas"],
+            load_factor=float(s["router"]["loadFactor"]),
+            resources=_resources(s["router"]["resources"]),
+        ),
     )
 
 
@@ -212,10 +230,9 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec
         ) from e
     except ValueError as e:  # a quantity the CRD pattern let through but Kubernetes rejects
         raise SpecError(f"invalid quantity in the spec: {e}") from e
-    if parsed.worker.tensor_parallel_size != 1:
-        raise SpecError("worker.tensorParallelSize > 1 is not supported by this operator version")
-    if parsed.router_enabled:
-        raise SpecError("router.enabled is not supported by this operator version")
+    if parsed.worker.workers_per_cell % parsed.worker.tensor_parallel_size:
+        raise SpecError("worker.workersPerCell must be a multiple of "
+                        "worker.tensorParallelSize")  # mirrors the CEL rule
     if parsed.worker.device.startswith("cuda") and parsed.worker.gpu_count == 0:
         raise SpecError("worker.device cuda needs worker.gpu.count >= 1")  # mirrors the CEL rule
     return parsed

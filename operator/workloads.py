@@ -29,6 +29,7 @@ from tandem_operator.manifests import (
     labels,
     selector_labels,
     service_name,
+    workers_service_name,
 )
 from tandem_operator.placement import INSTANCE_LABEL, Cell, resource_amount
 from tandem_operator.spec import Resources, TandemSpec
@@ -88,7 +89,7 @@ def _resources(res: Resources, extra: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def _container_security() -> dict[str, Any]:
+def container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
@@ -188,7 +189,7 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
         "env": env,
         "resources": resources,
         "volumeMounts": _mounts(spec, cell, component),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         **probes(spec, port, ready),
     }
 
@@ -225,7 +226,11 @@ def build_pod_template(spec: TandemSpec, cell: Cell, component: str) -> dict[str
 
 def build_statefulset(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     """The scheduler (1 replica) or the workers (workersPerCell, started in parallel) of a
-    cell. Its pod template carries the config hash, so a config change rolls the pods."""
+    cell. Its pod template carries the config hash, so a config change rolls the pods.
+
+    Workers start in parallel because tensor-parallel ranks only turn Ready together (after
+    their rendezvous); their governing Service (`<name>-workers`) gives each a DNS name.
+    """
     workers = component == "worker"
     return {
         "apiVersion": "apps/v1",
@@ -235,7 +240,8 @@ def build_statefulset(spec: TandemSpec, cell: Cell, component: str) -> dict[str,
                      "annotations": {NODE: cell.node, GENERATION: str(cell.generation)}},
         "spec": {
             "replicas": spec.worker.workers_per_cell if workers else 1,
-            "serviceName": service_name(spec, headless=True),
+            "serviceName": workers_service_name(spec) if workers else service_name(
+                spec, headless=True),
             "podManagementPolicy": "Parallel" if workers else "OrderedReady",
             "selector": {"matchLabels": selector_labels(spec, component, cell.index)},
             "updateStrategy": {"type": "RollingUpdate"},

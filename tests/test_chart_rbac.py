@@ -40,6 +40,7 @@ KIND_RESOURCES = {
     "ConfigMap": ("", "configmaps", True),
     "Service": ("", "services", True),
     "StatefulSet": ("apps", "statefulsets", True),
+    "Deployment": ("apps", "deployments", True),
     "Job": ("batch", "jobs", True),
 }
 # KubeApi method -> verbs it sends; `apply(create_only=True)` sends create only.

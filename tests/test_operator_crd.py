@@ -128,11 +128,16 @@ def test_cel_rules_are_known_and_mirrored_by_the_parser() -> None:
         tandem_spec({"worker": {"device": "cuda", "gpu": {"count": 0}}})
 
 
-@pytest.mark.parametrize("patch", [{"worker": {"tensorParallelSize": 2, "workersPerCell": 2}},
-                                   {"router": {"enabled": True}}])
-def test_reserved_fields_are_refused_for_now(patch: dict[str, Any]) -> None:
-    with pytest.raises(SpecError, match="not supported by this operator version"):
-        tandem_spec(patch)
+def test_tensor_parallelism_and_the_router_parse() -> None:
+    spec = tandem_spec({"cells": 3, "worker": {"workersPerCell": 4, "tensorParallelSize": 2},
+                        "router": {"replicas": 2, "loadFactor": 1.5}})
+    assert spec.worker.tensor_parallel_size == 2 and spec.routed
+    assert (spec.router.replicas, spec.router.load_factor) == (2, 1.5)
+    assert spec.router.resources.requests == {"cpu": "250m", "memory": "256Mi"}
+    assert not tandem_spec({"cells": 1}).routed, "one cell needs no router"
+    assert not tandem_spec({"cells": 3, "router": {"enabled": False}}).routed
+    with pytest.raises(SpecError, match=r"multiple of worker\.tensorParallelSize"):
+        tandem_spec({"worker": {"workersPerCell": 3, "tensorParallelSize": 2}})
 
 
 def test_status_the_operator_writes_is_declared_and_never_pruned() -> None:

@@ -1,6 +1,7 @@
 """The real operator (`tandem_operator.main.run`, i.e. `tandem operator`, in a subprocess) against
-the API emulator over HTTP: create, resize, repair, scale-down, delete, and the specs it cannot
-serve. Each test uses its own namespace and TandemService, so they do not depend on each other.
+the API emulator over HTTP: create, resize, repair, scale-down, delete, the specs it cannot
+serve, and three tensor-parallel cells behind the router. Each test uses its own namespace and
+TandemService, so they do not depend on each other.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def test_create_then_delete(cluster: Cluster) -> None:
     pods = cluster.pods(ns)
     assert sorted(p.spec.node_name for p in pods) == sorted(NODES * 2)  # 2 cells x (1 + 1)
     assert {s.metadata.name for s in cluster.core.list_namespaced_service(ns).items} == {
-        "svc", "svc-headless"}
+        "svc", "svc-headless", "svc-workers"}
 
     cluster.custom.delete_namespaced_custom_object("tandem.dev", "v1alpha1", ns,
                                                    "tandemservices", name)
@@ -273,10 +274,58 @@ def test_pod_security_rejection_is_reported(cluster: Cluster) -> None:
 
 def test_an_unsupported_spec_is_refused_with_a_reason(cluster: Cluster) -> None:
     ns, name = "eta", "svc"
-    cluster.create(ns, name, {"worker": {"workersPerCell": 2, "tensorParallelSize": 2}})
+    # The CRD's CEL rule refuses this on a real apiserver; the parser repeats it.
+    cluster.create(ns, name, {"worker": {"workersPerCell": 3, "tensorParallelSize": 2}})
 
     def invalid() -> dict[str, Any]:
         found = cluster.condition(ns, name, "Ready")
         return found if found.get("reason") == "InvalidSpec" else {}
     ready = wait_for(invalid, "InvalidSpec")
     assert "tensorParallelSize" in ready["message"]
+
+
+def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None:
+    ns, name = "theta", "svc"
+    cluster.create(ns, name, {"cells": 3, "placement": {"maxCellsPerNode": 2},
+                              "worker": {"workersPerCell": 2, "tensorParallelSize": 2,
+                                         "device": "cpu", "gpu": {"count": 0}}})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    cells = cluster.get(ns, name)["status"]["cells"]
+    assert len(cells) == 3 and all(c["workersReady"] == c["workersTotal"] == 2 for c in cells)
+    for i in range(3):
+        config = cluster.core.read_namespaced_config_map(f"svc-{i}-config", ns).data
+        assert config["TANDEM_TENSOR_PARALLEL_SIZE"] == "2"
+        assert config["TANDEM_TP_MASTER_ADDR"] == f"svc-{i}-workers-0.svc-workers.{ns}.svc"
+        assert cluster.apps.read_namespaced_stateful_set(
+            f"svc-{i}-workers", ns).spec.service_name == "svc-workers"
+    workers_svc = cluster.core.read_namespaced_service("svc-workers", ns)
+    assert workers_svc.spec.cluster_ip == "None" and workers_svc.spec.publish_not_ready_addresses
+
+    def router_cells() -> list[str]:
+        try:
+            data = cluster.core.read_namespaced_config_map("svc-router", ns).data
+        except kubernetes.client.ApiException:
+            return []
+        return [c.split(".")[0] for c in data["TANDEM_ROUTER_CELLS"].split(",")]
+
+    def service_target() -> str:
+        return str(cluster.core.read_namespaced_service("svc", ns).spec.selector[
+            "app.kubernetes.io/component"])
+    assert router_cells() == [f"svc-{i}-scheduler-0" for i in range(3)]
+    wait_for(lambda: service_target() == "router", "the Service to point at the router")
+    router = cluster.apps.read_namespaced_deployment("svc-router", ns)
+    assert router.metadata.owner_references[0].kind == "TandemService"
+    assert router.spec.template.spec.containers[0].command == ["tandem", "router"]
+    hash3 = router.spec.template.metadata.annotations["tandem.dev/config-hash"]
+
+    cluster.patch(ns, name, {"cells": 2})
+    wait_for(lambda: router_cells() == ["svc-0-scheduler-0", "svc-1-scheduler-0"],
+             "the router's cell list to follow the scale-down")
+    router = cluster.apps.read_namespaced_deployment("svc-router", ns)
+    assert router.spec.template.metadata.annotations["tandem.dev/config-hash"] != hash3
+
+    cluster.patch(ns, name, {"cells": 1})
+    wait_for(lambda: service_target() == "scheduler", "the Service back on the scheduler")
+    wait_for(lambda: not cluster.apps.list_namespaced_deployment(ns).items,
+             "the router to be removed with one cell left")
+    assert router_cells() == []

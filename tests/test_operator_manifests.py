@@ -15,11 +15,13 @@ from tandem_operator.manifests import (
     build_cleanup_job,
     build_configmap,
     build_service,
+    build_workers_service,
     cell_config,
     config_hash,
     endpoint,
 )
 from tandem_operator.placement import Cell
+from tandem_operator.router import build_router_configmap, build_router_deployment
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
 GI = 1 << 30
@@ -41,7 +43,8 @@ def every_manifest() -> list[dict[str, Any]]:
         "cells": 2, "model": {"path": "/models/m", "claimName": "weights"},
         "image": {"pullSecrets": ["ghcr"]},
         "tracing": {"endpoint": "otel-collector:4317"},
-        "worker": {"workersPerCell": 2, "env": [{"name": "TANDEM_KV_CACHE_SIZE", "value": "1Gi"}]},
+        "worker": {"workersPerCell": 2, "tensorParallelSize": 2,
+                   "env": [{"name": "TANDEM_KV_CACHE_SIZE", "value": "1Gi"}]},
         "placement": {"nodeSelector": {"pool": "gpu"},
                       "tolerations": [{"key": "gpu", "operator": "Exists"}],
                       "affinity": {"podAntiAffinity": {
@@ -52,10 +55,13 @@ def every_manifest() -> list[dict[str, Any]]:
     template = build_pod_template(spec, CELL, "worker")
     pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
            "metadata": {**template["metadata"], "name": "p", "namespace": "serving"}}
+    cells = [CELL, Cell(0, "gpu-1", GI, GI, 1)]
     return [build_configmap(spec, CELL), build_statefulset(spec, CELL, "scheduler"),
             build_statefulset(spec, CELL, "worker"), build_service(spec),
             build_service(spec, headless=True), build_cleanup_job(spec, 1, "gpu-7"),
-            build_cleanup_job(spec, 1, "gpu-7", generation=4), pod]
+            build_cleanup_job(spec, 1, "gpu-7", generation=4), pod,
+            build_service(spec, routed=True), build_workers_service(spec),
+            build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -205,3 +211,25 @@ def test_prepare_script_keeps_the_current_and_newer_generations(tmp_path: Path) 
     subprocess.run([*command[:4], *args], check=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-5", "gen-9", "notes"]
     assert (tmp_path / "gen-5").stat().st_mode & 0o777 == 0o700
+
+
+def test_tensor_parallel_workers_meet_at_worker_0() -> None:
+    spec = tandem_spec({"worker": {"workersPerCell": 4, "tensorParallelSize": 2}})
+    data = build_configmap(spec, CELL)["data"]
+    assert data["TANDEM_WORKERS"] == "4"
+    assert data["TANDEM_TENSOR_PARALLEL_SIZE"] == "2"
+    assert data["TANDEM_TP_MASTER_ADDR"] == "demo-1-workers-0.demo-workers.serving.svc"
+    assert data["TANDEM_TP_MASTER_PORT"] == "29500"
+    sts = build_statefulset(spec, CELL, "worker")
+    assert sts["spec"]["serviceName"] == "demo-workers" and sts["spec"]["replicas"] == 4
+    assert sts["spec"]["podManagementPolicy"] == "Parallel", "ranks only turn Ready together"
+    assert build_statefulset(spec, CELL, "scheduler")["spec"]["serviceName"] == "demo-headless"
+    assert "TANDEM_TENSOR_PARALLEL_SIZE" not in cell_config(tandem_spec({}), CELL)
+
+
+def test_workers_service_names_every_worker_before_it_is_ready() -> None:
+    svc = build_workers_service(tandem_spec({}))
+    assert svc["metadata"]["name"] == "demo-workers"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "worker"
+    assert "tandem.dev/cell" not in svc["spec"]["selector"], "one Service for all cells"

@@ -1,7 +1,8 @@
 """The cluster behaviour beyond the apiserver that the operator's tests need, reduced to the
 outcome: the StatefulSet controller and kube-scheduler (pods exist, bound to the node their
-required node affinity names, and Ready at once), the Job controller and kubelet (a Job
-completes at once), and Pod Security admission (hostPath refused below `privileged`).
+required node affinity names, and Ready at once), the Deployment controller (every replica
+available at once, without pods), the Job controller and kubelet (a Job completes at once),
+and Pod Security admission (hostPath refused below `privileged`).
 """
 
 from __future__ import annotations
@@ -119,12 +120,23 @@ def complete_job(store: ObjectStore, job: Obj) -> None:
                  {**job, "status": status}, "status")
 
 
+def roll_out(store: ObjectStore, deployment: Obj) -> None:
+    meta, replicas = deployment["metadata"], deployment["spec"].get("replicas", 1)
+    status = {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
+              "updatedReplicas": replicas, "observedGeneration": meta.get("generation", 1)}
+    store.update(_type(store, "apps/deployments"), meta["namespace"], meta["name"],
+                 {**deployment, "status": status}, "status")
+
+
 def react(store: ObjectStore, rt: ResourceType, kind: str, obj: Obj) -> None:
     """The reactor the store calls after each committed change."""
     meta = obj["metadata"]
     if rt.key == "apps/statefulsets" and kind in ("ADDED", "MODIFIED"):
         if not obj.get("status") or obj["status"].get("observedGeneration") != meta["generation"]:
             sync_statefulset(store, obj)
+    elif rt.key == "apps/deployments" and kind in ("ADDED", "MODIFIED"):
+        if (obj.get("status") or {}).get("observedGeneration") != meta["generation"]:
+            roll_out(store, obj)
     elif rt.key == "batch/jobs" and kind == "ADDED":
         complete_job(store, obj)
     elif rt.key == "/pods" and kind == "DELETED":

@@ -30,6 +30,8 @@ BUILTIN = [
     ResourceType("", "v1", "services", "Service", True, ("status",), short_names=("svc",)),
     ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
     ResourceType("apps", "v1", "statefulsets", "StatefulSet", True, ("status", "scale")),
+    ResourceType("apps", "v1", "deployments", "Deployment", True, ("status", "scale"),
+                 short_names=("deploy",)),
     ResourceType("batch", "v1", "jobs", "Job", True, ("status",)),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                  "CustomResourceDefinition", False, ("status",), short_names=("crd",)),

@@ -52,6 +52,11 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [list, create, patch, delete]
+# The router in front of several cells: created or merge-patched, read until available, deleted
+# when one cell is left.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch, delete]
 # Segment cleanup Jobs: created once, then read until they finish.
 - apiGroups: [batch]
   resources: [jobs]

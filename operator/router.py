@@ -1,0 +1,118 @@
+"""Pure builders for the router in front of a TandemService's cells (when `spec.routed`).
+
+The router (`tandem router`) is stateless apart from its in-flight counts, so it is a
+Deployment, not part of any cell. It reaches each cell's scheduler by the scheduler pod's
+stable DNS name, and lists every cell the operator records, placed or not: a cell that is not
+serving is skipped by the router's own health checks (and its keys move), so placement changes
+never restart the router; a change in the number of cells changes its ConfigMap, whose hash on
+the pod template rolls it (surge first, so one replica always serves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tandem_operator.manifests import (
+    CONFIG_HASH,
+    child_name,
+    config_hash,
+    labels,
+    pod_dns,
+    selector_labels,
+    service_name,
+    tracing_config,
+)
+from tandem_operator.placement import Cell
+from tandem_operator.spec import TandemSpec
+from tandem_operator.workloads import container_security, probes
+
+READY_SERVICE = "tandem.v1.Generation"  # SERVING while at least one cell is
+
+
+def router_name(spec: TandemSpec) -> str:
+    return f"{spec.name}-router"
+
+
+def cell_address(spec: TandemSpec, index: int) -> str:
+    """`host:port` of cell `index`'s scheduler: its pod through the headless Service."""
+    pod = f"{child_name(spec, index, 'scheduler')}-0"
+    return f"{pod_dns(spec, pod, service_name(spec, headless=True))}:{spec.scheduler.port}"
+
+
+def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
+    """The router's TANDEM_* settings (docs/configuration.md); the block size is the cells'
+    so that a text prompt's routing key covers exactly the first block they cache."""
+    return {
+        "TANDEM_ROUTER_CELLS": ",".join(cell_address(spec, c.index) for c in cells),
+        "TANDEM_LISTEN": f"0.0.0.0:{spec.scheduler.port}",
+        "TANDEM_ROUTER_LOAD_FACTOR": str(spec.router.load_factor),
+        "TANDEM_BLOCK_SIZE": str(spec.block_size),
+        "OTEL_SERVICE_NAME": "tandem-router",
+        "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
+                                     f"tandem.service={spec.name}"),
+    } | tracing_config(spec)
+
+
+def build_router_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
+    data = router_config(spec, cells)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
+                     "labels": labels(spec, "router"),
+                     "annotations": {CONFIG_HASH: config_hash(data)}},
+        "data": data,
+    }
+
+
+def _container(spec: TandemSpec) -> dict[str, Any]:
+    res = spec.router.resources
+    resources = {k: dict(v) for k, v in (("requests", res.requests), ("limits", res.limits)) if v}
+    return {
+        "name": "router",
+        "image": spec.scheduler.image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["tandem", "router"],
+        "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}],
+        "envFrom": [{"configMapRef": {"name": router_name(spec)}}],
+        "resources": resources,
+        "securityContext": container_security(),
+        **probes(spec, spec.scheduler.port, READY_SERVICE),
+    }
+
+
+def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "securityContext": {"runAsUser": spec.run_as_user, "runAsGroup": spec.run_as_group,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [_container(spec)],
+    }
+    if spec.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
+                     "labels": labels(spec, "router")},
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(spec, "router")},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels(spec, "router"), "annotations": {
+                    CONFIG_HASH: config_hash(router_config(spec, cells))}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def router_available(deployment: Mapping[str, Any] | None) -> bool:
+    """Whether a router pod is Ready to take the Service's traffic (during a roll the old
+    replicas still count: surge-first keeps one available)."""
+    status = (deployment or {}).get("status") or {}
+    return int(status.get("availableReplicas") or 0) > 0
