@@ -1,7 +1,9 @@
 """Worker side of the shared segment: resolve address items and acknowledge them.
 
 Each worker is one reader slot (its rank). For every new request it receives, every
-address item is acknowledged exactly once, whether or not its payload is read:
+address item is acknowledged exactly once, whether or not its payload is read, and only
+once the whole step was accepted (``resolve`` reads, ``acknowledge`` acks), so a rejected
+step acknowledges nothing:
 
 * ``data is None``: a stripped by-value payload; it carries no reference, so nothing is
   touched (vLLM's #54994 crash came from asserting here);
@@ -12,8 +14,9 @@ address item is acknowledged exactly once, whether or not its payload is read:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tandem.errors import FailedPrecondition
@@ -26,7 +29,7 @@ from tandem.shm import SegmentMismatch, ShmDescriptor, ShmReader
 class ResolvedFeatures:
     features: list[MultiModalFeatureSpec]  # data: an item or None, never an address
     resolved: int  # address items whose payload was read
-    acked: int  # address items acknowledged (read or not)
+    to_ack: list[ShmDescriptor] = field(default_factory=list)  # for `acknowledge`
 
 
 class ShmReceiverCache:
@@ -43,12 +46,15 @@ class ShmReceiverCache:
         return self._reader.generation if self._reader else 0
 
     def ensure_segment(self, name: str, generation: int) -> None:
-        """Be attached to segment ``name`` of ``generation`` (no-op when already)."""
+        """Be attached to segment ``name`` of ``generation`` (no-op when already).
+
+        The current attachment is kept when the named one does not exist or has another
+        generation (a forged or stale step must not detach a worker).
+        """
         if not name:
             return
         if self._reader and self._name == name and self._reader.generation == generation:
             return
-        self.close()
         try:
             reader = ShmReader(self.shm_dir / name, self.slot)
         except SegmentMismatch as exc:  # missing, retired, or not a segment of this layout
@@ -59,27 +65,42 @@ class ShmReceiverCache:
             raise FailedPrecondition(
                 f"segment {name!r} is generation {reader.generation}, the step expects "
                 f"{generation}", reason="SHM_GENERATION_MISMATCH")
+        self.close()
         self._reader, self._name = reader, name
 
     def resolve(self, features: Sequence[MultiModalFeatureSpec], num_computed_tokens: int,
-                uses_mrope: bool) -> ResolvedFeatures:
-        out, resolved, acked = [], 0, 0
+                uses_mrope: bool, pending: Counter[int] | None = None) -> ResolvedFeatures:
+        """Read what the step needs of each address item; acknowledge nothing yet.
+
+        ``pending`` (chunk address -> refs) carries the refs earlier calls for the same step
+        will acknowledge, so a descriptor repeated within a step is refused, not double
+        counted; it is updated in place.
+        """
+        pending = Counter() if pending is None else pending
+        out, resolved, to_ack = [], 0, []
         for f in features:
             if not isinstance(f.data, ShmDescriptor):
                 out.append(f)
                 continue
             reader = self._require_reader(f.data)
-            if f.is_covered(num_computed_tokens) and not uses_mrope:
-                reader.ack(f.data)
-                out.append(replace(f, data=None))
-            else:
-                only_cpu = f.is_covered(num_computed_tokens)
-                with reader.view(f.data) as buf:
-                    item = item_from_buffer(buf, only_keep_on_cpu=only_cpu)
-                resolved += not only_cpu
-                out.append(replace(f, data=item))
-            acked += 1
-        return ResolvedFeatures(out, resolved, acked)
+            covered = f.is_covered(num_computed_tokens)
+            with reader.peek(f.data, pending[f.data.address]) as buf:
+                item = None
+                if not covered or uses_mrope:  # M-RoPE needs the grid even when covered
+                    item = item_from_buffer(buf, only_keep_on_cpu=covered)
+            resolved += not covered
+            pending[f.data.address] += f.data.refs
+            to_ack.append(f.data)
+            out.append(replace(f, data=item))
+        return ResolvedFeatures(out, resolved, to_ack)
+
+    def acknowledge(self, descriptors: Sequence[ShmDescriptor]) -> int:
+        """Acknowledge what :meth:`resolve` read, once the step is accepted; returns the count."""
+        if descriptors:
+            reader = self._require_reader(descriptors[0])
+            for desc in descriptors:
+                reader.ack(desc)
+        return len(descriptors)
 
     def _require_reader(self, desc: ShmDescriptor) -> ShmReader:
         if self._reader is None:

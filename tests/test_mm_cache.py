@@ -61,6 +61,8 @@ def test_trigger_chain_hit_strip_resolve_then_evict(shm: ShmProcessorCache, tmp_
     assert isinstance(d1, ShmDescriptor)
     receiver.ensure_segment("features.seg", writer.generation)
     r1 = receiver.resolve(_features([d1], [(1, 4)], ["A"]), 0, uses_mrope=False)
+    assert writer.stats().unacked_refs == 1, "read, not yet acknowledged (step not accepted)"
+    assert receiver.acknowledge(r1.to_ack) == 1
     assert torch.equal(r1.features[0].data["pixel_values"].data, items["A"]["pixel_values"].data)
     # Request 2: identical; the prefix cache covers the span, so the scheduler strips.
     (d2,) = _acquire(shm, ["A"], items)
@@ -69,14 +71,16 @@ def test_trigger_chain_hit_strip_resolve_then_evict(shm: ShmProcessorCache, tmp_
     assert bound[0].data is d2, "the address item must survive stripping"
     assert writer.stats().unacked_refs == 1
     r2 = receiver.resolve(bound, 16, uses_mrope=False)
-    assert r2.features[0].data is None and (r2.acked, r2.resolved) == (1, 0)
+    assert r2.features[0].data is None and (len(r2.to_ack), r2.resolved) == (1, 0)
+    receiver.acknowledge(r2.to_ack)
     assert writer.stats().unacked_refs == 0
     # Everything acknowledged: the object can be evicted and its space reused.
     reused = False
     for i in range(200):
         key = f"F{i}"
         (d,) = _acquire(shm, [key], {key: _item(10 + i)})
-        receiver.resolve(_features([d], [(1, 4)], [key]), 0, uses_mrope=False)
+        receiver.acknowledge(receiver.resolve(_features([d], [(1, 4)], [key]), 0,
+                                              uses_mrope=False).to_ack)
         reused = d.address == d1.address
         if reused:
             break
@@ -96,7 +100,7 @@ def test_stripped_raw_item_is_skipped_without_touching_counters(tmp_path: Path) 
         receiver = ShmReceiverCache(tmp_path, slot=0)
         receiver.ensure_segment("features.seg", cache.writer.generation)
         out = receiver.resolve(bound, 16, uses_mrope=False)
-        assert out.features[0].data is None and out.acked == 0
+        assert out.features[0].data is None and out.to_ack == []
         assert cache.writer.stats().objects == 0
         receiver.close()
     finally:
@@ -111,7 +115,8 @@ def test_mrope_covered_address_item_reads_only_cpu_fields(
     receiver.ensure_segment("features.seg", shm.writer.generation)
     out = receiver.resolve(_features([d], [(0, 4)], ["A"]), 16, uses_mrope=True)
     assert list(out.features[0].data) == ["image_grid_thw"]
-    assert (out.acked, out.resolved) == (1, 0)
+    assert (len(out.to_ack), out.resolved) == (1, 0)
+    receiver.acknowledge(out.to_ack)
     assert shm.writer.stats().unacked_refs == 0
     receiver.close()
 
@@ -138,7 +143,7 @@ def test_request_pins_protect_its_hits_from_its_own_puts(tmp_path: Path) -> None
         def deliver(keys: list[str]) -> list:
             data = _acquire(cache, keys, items)
             feats = _features(data, [(i * 10, 4) for i in range(len(keys))], keys)
-            receiver.resolve(feats, 0, uses_mrope=False)
+            receiver.acknowledge(receiver.resolve(feats, 0, uses_mrope=False).to_ack)
             return data
 
         deliver(["A", "B", "C"])  # fills the segment; all acknowledged

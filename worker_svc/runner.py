@@ -6,6 +6,7 @@ request states, encoder cache and the model's KV cache contents.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +52,10 @@ class StepRunner:
 
     A step is checked whole before anything changes (ids, counts, block ids, encoder
     inputs and outputs, then the resolved features), so a rejected step leaves the states,
-    the encoder cache and the KV cache as they were. The one effect that survives a step
-    rejected after its features were resolved is the acknowledgement of its address items:
-    a descriptor counts as delivered once this worker has read it. Under tensor
+    the encoder cache, the KV cache and the segment's ack counters as they were: address
+    items are read during the checks and acknowledged only once the step is accepted. The
+    one exception is a step naming a new segment generation (see ``_follow_segment``).
+    Under tensor
     parallelism the ranks agree on the checks (``tp.all_ok``) before the commit point, so
     a step is applied by all ranks of the group or by none.
 
@@ -77,8 +79,9 @@ class StepRunner:
     @torch.inference_mode()
     def step(self, step: StepInput) -> StepOutput:
         try:
+            self._follow_segment(step)
             self._validate(step)
-            new_states, resolved, acked = self._admit(step)
+            new_states, resolved, to_ack = self._admit(step)
             self._check_encoder_payloads(step, new_states)
         except Exception:
             if self.tp is not None:
@@ -87,6 +90,9 @@ class StepRunner:
         if self.tp is not None and not self.tp.all_ok(True):
             raise FailedPrecondition("another tensor-parallel rank rejected this step",
                                      reason="PEER_REJECTED_STEP")
+        # Address items are acknowledged only by an accepted step (a rejected one leaves
+        # every counter as it was); this raises only if the segment was re-created since.
+        acked = self.receiver.acknowledge(to_ack) if self.receiver is not None else 0
         # Commit point: nothing below raises for a step that passed the checks above.
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)
@@ -183,24 +189,42 @@ class StepRunner:
                                              f"{f.identifier} and none scheduled",
                                              reason="ENCODER_OUTPUT_MISSING")
 
-    def _admit(self, step: StepInput) -> tuple[dict[str, RequestState], int, int]:
-        """Resolve the new requests' features through the receiver cache (this acknowledges
-        their address items) and build their states."""
+    def _follow_segment(self, step: StepInput) -> None:
+        """Attach to the segment the step names; when that is a new generation of an
+        attached segment, a new scheduler took over (the old one died): drop every request
+        and encoder output the old one left here, as it will never finish or free them.
+
+        The one change a rejected step can make, and only once the new segment was found
+        with the step's generation (a forged step cannot trigger it)."""
+        if self.receiver is None or not step.segment_name:
+            return
+        before = self.receiver.generation
+        self.receiver.ensure_segment(step.segment_name, step.segment_generation)
+        if before not in (0, self.receiver.generation):
+            self.requests.clear()
+            self.encoder_cache.free(list(self.encoder_cache.entries))
+
+    def _admit(self, step: StepInput) -> tuple[dict[str, RequestState], int,
+                                               list[ShmDescriptor]]:
+        """Resolve the new requests' features through the receiver cache (reads their
+        address items; acknowledged after the checks) and build their states."""
         if step.segment_name or any(isinstance(f.data, ShmDescriptor)
                                     for r in step.new_requests for f in r.features):
             if self.receiver is None:
                 raise FailedPrecondition("address items received but this worker has no "
                                          "shared directory", reason="SHM_NOT_ATTACHED")
             self.receiver.ensure_segment(step.segment_name, step.segment_generation)
-        states, resolved, acked = {}, 0, 0
+        states, resolved, to_ack = {}, 0, []
+        pending: Counter[int] = Counter()  # chunk address -> refs this step will ack
         for r in step.new_requests:
             features = r.features
             if self.receiver is not None:
                 res = self.receiver.resolve(r.features, r.num_computed_tokens,
-                                            self.config.uses_mrope)
-                features, resolved, acked = res.features, resolved + res.resolved, acked + res.acked
+                                            self.config.uses_mrope, pending)
+                features, resolved = res.features, resolved + res.resolved
+                to_ack += res.to_ack
             states[r.request_id] = new_request_state(r, features, self.config)
-        return states, resolved, acked
+        return states, resolved, to_ack
 
     def _check_encoder_payloads(self, step: StepInput,
                                 new_states: dict[str, RequestState]) -> None:

@@ -457,6 +457,22 @@ class ShmReader:
             view.release()
             self._ack(desc)
 
+    @contextlib.contextmanager
+    def peek(self, desc: ShmDescriptor, pending: int = 0) -> Iterator[memoryview]:
+        """Validate and yield a zero-copy view without acknowledging; the caller acks later.
+
+        Why: a worker checks a whole step before it changes anything, so it reads every
+        descriptor first and acknowledges them only once the step is accepted. `pending` is
+        the refs this slot will acknowledge for the same chunk from earlier peeks of that
+        step; they count as acknowledged, so a descriptor repeated within one step cannot
+        pass twice. The chunk cannot be reclaimed meanwhile: this slot has not acked it.
+        """
+        view = self._validated(desc, pending)
+        try:
+            yield view
+        finally:
+            view.release()
+
     def ack(self, desc: ShmDescriptor) -> None:
         """Validate and acknowledge without reading the payload."""
         self._validated(desc).release()
@@ -465,11 +481,11 @@ class ShmReader:
     def close(self) -> None:
         self._segment.close(unlink=False)
 
-    def _validated(self, desc: ShmDescriptor) -> memoryview:
+    def _validated(self, desc: ShmDescriptor, pending: int = 0) -> memoryview:
         with self._lock:
             self._segment.check_current()
             self._segment.check_descriptor(desc)
-            self._check_outstanding(desc)
+            self._check_outstanding(desc, pending)
             return self._segment.payload(desc.address, desc.nbytes)
 
     def _ack(self, desc: ShmDescriptor) -> None:
@@ -483,11 +499,12 @@ class ShmReader:
             acked = self._check_outstanding(desc)
             self._segment.set_word(desc.address, C_ACKS + self.slot, acked + desc.refs)
 
-    def _check_outstanding(self, desc: ShmDescriptor) -> int:
-        """This slot's acks so far; StaleDescriptor if desc.refs are not all outstanding."""
+    def _check_outstanding(self, desc: ShmDescriptor, pending: int = 0) -> int:
+        """This slot's acks so far; StaleDescriptor if desc.refs are not all outstanding
+        beyond `pending` refs about to be acknowledged."""
         refs = self._segment.word(desc.address, C_REFS)
         acked = self._segment.word(desc.address, C_ACKS + self.slot)
-        if acked + desc.refs > refs:
+        if acked + pending + desc.refs > refs:
             raise StaleDescriptor(f"slot {self.slot} already acked {acked} of {refs} refs; "
                                   f"{desc} would over-acknowledge")
         return acked
