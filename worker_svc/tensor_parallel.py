@@ -34,8 +34,9 @@ from worker_svc.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-# Bounds the rendezvous (pods of a cell may start minutes apart) and every collective. A
-# peer that died is noticed at once (its socket closes); this only ends a peer that hangs.
+# Bounds the rendezvous (pods of a cell may start minutes apart) and every collective. gloo
+# notices a dead peer at once (its socket closes); NCCL may only notice at this timeout, when
+# its watchdog ends the process.
 TIMEOUT = datetime.timedelta(seconds=600)
 
 
