@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import socket
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from worker_svc.synthetic import (
     synthetic_prompt,
 )
 from worker_svc.tensor_parallel import (
+    GroupLost,
     TensorParallelGroup,
     check_divisible,
     rank_device,
@@ -84,7 +86,7 @@ def _generate(model: Transformer, runner: StepRunner, preset: str,
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     """One TP rank, for each preset: shard, pair up, survive a step only this rank
-    rejects, then generate."""
+    rejects, then generate; at the end rank 1 dies and rank 0 must see GroupLost."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=TP, timeout=datetime.timedelta(seconds=60))
@@ -105,6 +107,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             ids, logits = _generate(model, runner, preset)
             torch.save({"rejected": rejected, "ids": ids, "logits": logits},
                        Path(out_dir) / f"{preset}-rank{rank}.pt")
+        if rank == 1:
+            os._exit(0)  # dies without leaving the group
+        with pytest.raises(GroupLost):
+            group.all_ok(True)
+        (Path(out_dir) / "lost").touch()
     finally:
         dist.destroy_process_group()
 
@@ -124,6 +131,7 @@ def test_sharded_model_matches_full(tmp_path: Path) -> None:
             torch.testing.assert_close(r["logits"], ref_logits, atol=LOGITS_ATOL, rtol=0)
         # The ranks' logits are the same bits: that is what lets every rank sample alone.
         assert torch.equal(results[0]["logits"], results[1]["logits"])
+    assert (tmp_path / "lost").exists(), "rank 0 saw its peer die as GroupLost"
 
 
 def test_shards_partition_the_layers() -> None:
