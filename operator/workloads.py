@@ -164,7 +164,7 @@ def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]
 def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     if component == "scheduler":
         port, metrics, image = spec.scheduler.port, SCHEDULER_METRICS_PORT, spec.scheduler.image
-        env = [{"name": "TANDEM_LISTEN", "value": f"0.0.0.0:{port}"}]
+        env: list[dict[str, Any]] = [{"name": "TANDEM_LISTEN", "value": f"0.0.0.0:{port}"}]
         resources = _resources(spec.scheduler.resources, {"memory": cell.cache_bytes})
         user_env, ready = spec.scheduler.env, "tandem.v1.Generation"
     else:

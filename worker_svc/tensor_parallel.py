@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from tandem.errors import InvalidInput, Unavailable
 from worker_svc.config import WorkerConfig
-from worker_svc.model import Transformer
+from worker_svc.model import Transformer, TransformerBlock
 from worker_svc.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ def _keep(linear: nn.Linear, dim: int, parts: list[Tensor]) -> None:
     linear.out_features, linear.in_features = weight.shape
 
 
+def _blocks(model: Transformer) -> list[TransformerBlock]:
+    blocks = list(model.layers)
+    assert all(isinstance(b, TransformerBlock) for b in blocks)
+    return cast(list[TransformerBlock], blocks)
+
+
 def shard_model(model: Transformer, tp_rank: int, tp: int) -> None:
     """Keep rank ``tp_rank``'s slice of every decoder layer, in place.
 
@@ -76,7 +83,7 @@ def shard_model(model: Transformer, tp_rank: int, tp: int) -> None:
     them); each layer's head counts become the rank's own.
     """
     check_divisible(model.config, tp)
-    for layer in model.layers:
+    for layer in _blocks(model):
         a, f = layer.attention, layer.feed_forward
         q, k, v = a.wqkv.weight.split([a.q_size, a.kv_size, a.kv_size])  # head-major rows
         _keep(a.wqkv, 0, [w.chunk(tp)[tp_rank] for w in (q, k, v)])
@@ -112,7 +119,7 @@ class TensorParallelGroup:
         def hook(_module: nn.Module, _inputs: tuple[Tensor, ...], out: Tensor) -> None:
             self._all_reduce(out, dist.ReduceOp.SUM)
 
-        for layer in model.layers:
+        for layer in _blocks(model):
             layer.attention.wo.register_forward_hook(hook)
             layer.feed_forward.w2.register_forward_hook(hook)
 
