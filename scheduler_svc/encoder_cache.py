@@ -42,6 +42,11 @@ class EncoderCacheManager:
     def __contains__(self, mm_hash: str) -> bool:
         return mm_hash in self._size
 
+    @property
+    def mm_hashes(self) -> list[str]:
+        """Every hash the workers hold (referenced or freeable)."""
+        return list(self._size)
+
     def check_and_update_cache(self, request_id: str, mm_hash: str) -> bool:
         """True when the workers hold ``mm_hash``; the request then references it.
 

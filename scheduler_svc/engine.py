@@ -54,7 +54,9 @@ class Engine:
     """Owns the scheduler, the processor cache and the worker pool.
 
     ``on_serving(bool)`` is called whenever the cell starts or stops being able to serve
-    (all workers described / a worker lost), so health can follow.
+    (all workers described / a worker lost), so health can follow. A worker is lost when
+    a step fails on it or its health stream ends (it may die while the cell is idle);
+    ``_epoch`` counts the losses, so a step that was in flight across one is ignored.
     """
 
     def __init__(self, config: SchedulerConfig, cache: ProcessorCache, workers: WorkerPool,
@@ -66,6 +68,9 @@ class Engine:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="image")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._serving_again = asyncio.Event()
+        self._epoch = 0
         self._step_id = 0
         self.counters = SchedulerCounters()
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
@@ -90,6 +95,7 @@ class Engine:
         self.inputs = InputProcessor(c.limits, images, max_tokens)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         self._set_serving(True)
+        self._watch_task = asyncio.create_task(self._watch_workers(), name="worker-watch")
 
     def _reset_state(self) -> None:
         """Fresh KV and encoder bookkeeping: the workers' caches are empty (start, restart)."""
@@ -189,11 +195,17 @@ class Engine:
         msg = build_step_request(out, self._step_id, segment, generation, self.model.uses_mrope,
                                  trace_context)
         mark_delivered(out)
+        epoch = self._epoch
         try:
             result = await self.workers.step(msg, self.config.step_timeout_s)
         except StepFailed as exc:
-            self._worker_failed(exc)
+            if epoch == self._epoch:
+                self._worker_failed(exc.ranks, str(exc))
+            else:  # the loss is being handled; no step was sent since
+                self._reset_slots(exc.ranks)
             return
+        if epoch != self._epoch:
+            return  # a worker was lost meanwhile: these requests have failed already
         for request, output in self.scheduler.update(out, result.sampled):
             request.outputs.put_nowait(output)
         if self._debug_invariants:
@@ -212,20 +224,35 @@ class Engine:
             return SEGMENT_FILE, self.cache.writer.generation
         return "", 0
 
-    def _worker_failed(self, exc: StepFailed) -> None:
+    async def _watch_workers(self) -> None:
+        while True:
+            await self._serving_again.wait()
+            rank = await self.workers.wait_lost()
+            if self.serving:  # else a failed step noticed first
+                self._worker_failed((rank,), f"worker {rank}: health stream ended")
+
+    def _worker_failed(self, ranks: tuple[int, ...], why: str) -> None:
         """Fail every request with UNAVAILABLE, forget worker state, wait for the workers."""
         assert self.scheduler is not None
-        log.error("worker lost (%s): failing in-flight requests", exc)
+        log.error("worker lost (%s): failing in-flight requests", why)
+        self._epoch += 1
         self._set_serving(False)
-        error = Unavailable(f"worker {exc.rank} failed; retry the request")
+        error = Unavailable(f"worker {ranks[0]} failed; retry the request")
         for request in list(self.scheduler.requests.values()):
             self.abort(request)
             request.outputs.put_nowait(error)
-        if isinstance(self.cache, ShmProcessorCache):
-            # The lost worker will never acknowledge what it was sent.
-            self.cache.writer.reset_reader_slot(exc.rank)
+        self._reset_slots(ranks)  # after the undelivered references were released
+        request_ids, mm_hashes = self.scheduler.leftovers()
         self._reset_state()
+        self.scheduler.release_on_workers(request_ids, mm_hashes)  # for surviving workers
         asyncio.get_running_loop().create_task(self._reconnect())
+
+    def _reset_slots(self, ranks: tuple[int, ...]) -> None:
+        """A dead worker will never acknowledge what it was sent, and a live one that
+        refused a step acknowledged none of it: count their references as acknowledged."""
+        if isinstance(self.cache, ShmProcessorCache):
+            for rank in ranks:
+                self.cache.writer.reset_reader_slot(rank)
 
     async def _reconnect(self) -> None:
         while True:
@@ -241,6 +268,10 @@ class Engine:
     def _set_serving(self, serving: bool) -> None:
         self.serving = serving
         self._on_serving(serving)
+        if serving:
+            self._serving_again.set()
+        else:
+            self._serving_again.clear()
         self._wake.set()
 
     def cache_stats(self) -> generate_pb2.CacheStatsResponse:
@@ -266,9 +297,10 @@ class Engine:
             for request in list(self.scheduler.requests.values()):
                 self.abort(request)
                 request.outputs.put_nowait(Unavailable("the server is shutting down"))
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._watch_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

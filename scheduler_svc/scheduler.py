@@ -77,7 +77,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens and not self.finished_request_ids
+        return not (self.num_scheduled_tokens or self.finished_request_ids
+                    or self.free_encoder_mm_hashes)
 
     def validate(self) -> None:
         ids = [n.request.request_id for n in self.new_requests]
@@ -106,11 +107,25 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next step
+        self._orphan_mm_hashes: list[str] = []  # encoder outputs of a predecessor, to drop
         self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_ids)
+        return bool(self.waiting or self.running or self._finished_ids
+                    or self._orphan_mm_hashes)
+
+    def leftovers(self) -> tuple[list[str], list[str]]:
+        """(request ids, mm hashes) the workers may still hold for this scheduler: what a
+        successor must release after a worker failure (the surviving workers keep them)."""
+        return ([r.request_id for r in self.running] + self._finished_ids,
+                self.encoder.mm_hashes)
+
+    def release_on_workers(self, request_ids: list[str], mm_hashes: list[str]) -> None:
+        """Tell the workers in the next step to drop these requests and encoder outputs
+        (ids and hashes they do not hold are ignored there)."""
+        self._finished_ids += request_ids
+        self._orphan_mm_hashes += mm_hashes
 
     def add_request(self, request: Request) -> None:
         request.update_block_hashes(self.kv.block_size)
@@ -156,7 +171,8 @@ class Scheduler:
             budget -= n
         if not preempted:
             budget, encoder_budget = self._schedule_waiting(out, budget, encoder_budget)
-        out.free_encoder_mm_hashes = self.encoder.get_freed_mm_hashes()
+        out.free_encoder_mm_hashes = self._orphan_mm_hashes + self.encoder.get_freed_mm_hashes()
+        self._orphan_mm_hashes = []
         out.validate()
         return out
 

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -112,18 +111,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import multiprocessing
 
     from scheduler_svc.server import serve as serve_scheduler
+    from tandem.supervisor import WorkerSupervisor
 
     shm_dir = Path(args.shm_dir)
     shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
     tracing_args = (args.otlp_endpoint, args.trace_file)
-    tp_master = ("127.0.0.1", _free_port())  # where the tensor-parallel ranks meet
-    procs = [ctx.Process(target=_run_worker,
-                         args=(_worker_config(args, r, args.workers, tp_master=tp_master),
-                               tracing_args),
-                         name=f"tandem-worker-{r}") for r in range(args.workers)]
-    for p in procs:
-        p.start()
+
+    def start_group(ranks: range) -> list:
+        tp_master = ("127.0.0.1", _free_port())  # where the tensor-parallel ranks meet
+        procs = [ctx.Process(target=_run_worker,
+                             args=(_worker_config(args, r, args.workers, tp_master=tp_master),
+                                   tracing_args),
+                             name=f"tandem-worker-{r}") for r in ranks]
+        for p in procs:
+            p.start()
+        return procs
+
+    # One torch.distributed world spans every worker under tensor parallelism: a restart
+    # restarts them all.
+    group = args.workers if args.tensor_parallel_size > 1 else 1
+    supervisor = WorkerSupervisor(start_group, args.workers, group)
+    supervisor.start()
     _setup_tracing("tandem-scheduler", args)
     try:
         addresses = [worker_address(args.shm_dir, r) for r in range(args.workers)]
@@ -131,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        _stop_processes(procs)
+        supervisor.stop()
         _shutdown_tracing()
         if args.remove_shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)
@@ -172,19 +181,6 @@ def _shutdown_tracing() -> None:
     from tandem import tracing
 
     tracing.shutdown()  # exports the spans still buffered
-
-
-def _stop_processes(procs: list, timeout: float = 10.0) -> None:
-    """terminate -> join with a timeout -> kill."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ machine-readable ``reason`` sent as ``google.rpc.ErrorInfo`` (domain ``tandem.de
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -131,8 +132,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
+            # A stream handler either yields (an async generator) or writes with
+            # context.write() and returns (e.g. grpc.health.v1 Watch): wrap each as itself.
+            stream = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
+                _wrap_stream(stream) if inspect.isasyncgenfunction(stream)
+                else _wrap_unary(stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
