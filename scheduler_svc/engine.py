@@ -265,6 +265,10 @@ class Engine:
             self._set_serving(True)
             return
 
+    @property
+    def worker_losses(self) -> int:
+        return self._epoch
+
     def _set_serving(self, serving: bool) -> None:
         self.serving = serving
         self._on_serving(serving)

@@ -123,10 +123,13 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics)
 
 
-def metric_values(engine: Engine) -> dict[str, float]:
+def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
     """The scheduler's totals and gauges, read at scrape time (names: tandem.metrics)."""
     stats, counters = engine.cache_stats(), engine.counters
+    refused = engine.cache.counters().refused
     return {
+        "tandem_mm_cache_refused_total": {r: refused.get(r, 0) for r in ("oversize", "full")},
+        "tandem_worker_losses_total": engine.worker_losses,
         "tandem_prompt_tokens_total": counters.prompt_tokens,
         "tandem_prefix_cache_hit_tokens_total": counters.prefix_cache_hit_tokens,
         "tandem_mm_cache_hits_total": stats.mm_cache_hits_total,

@@ -31,6 +31,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "tandem_mm_cache_misses_total": (COUNTER, "Images processed because the cache missed"),
     "tandem_encoder_runs_total": (COUNTER, "Images run through the vision encoder"),
     "tandem_preemptions_total": (COUNTER, "Requests preempted (recomputed) for lack of KV blocks"),
+    "tandem_mm_cache_refused_total":
+        (COUNTER, "Processed images the segment refused (sent inline instead), by reason"),
+    "tandem_worker_losses_total":
+        (COUNTER, "Times a worker was lost (failed step or ended health stream)"),
     "tandem_shm_capacity_bytes": (GAUGE, "Data-area size of the shared feature segment"),
     "tandem_shm_used_bytes": (GAUGE, "Segment bytes held by live objects"),
     "tandem_shm_objects": (GAUGE, "Objects in the segment"),
@@ -42,24 +46,35 @@ METRICS: dict[str, tuple[str, str]] = {
     "tandem_shm_acked_total": (COUNTER, "Segment descriptors this worker acknowledged"),
 }
 
+# Metrics whose value is a mapping: label value -> sample, under this one label name.
+LABELS: dict[str, str] = {"tandem_mm_cache_refused_total": "reason"}
+
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0)
 _DURATION_BUCKETS = (.05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class SnapshotCollector(Collector):
-    """Turns ``read()`` (metric name -> value, names from :data:`METRICS`) into samples."""
+    """Turns ``read()`` (metric name -> value, names from :data:`METRICS`) into samples; the
+    value of a name in :data:`LABELS` maps label values to samples."""
 
-    def __init__(self, read: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, float | Mapping[str, float]]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
         for name, value in self._read().items():
             kind, doc = METRICS[name]
-            if kind == COUNTER:
-                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+            family = (CounterMetricFamily(name.removesuffix("_total"), doc,
+                                          labels=[LABELS[name]] if name in LABELS else None)
+                      if kind == COUNTER else
+                      GaugeMetricFamily(name, doc, labels=[LABELS[name]] if name in LABELS
+                                        else None))
+            if isinstance(value, Mapping):
+                for label, sample in value.items():
+                    family.add_metric([label], sample)
             else:
-                yield GaugeMetricFamily(name, doc, value=value)
+                family.add_metric([], value)
+            yield family
 
 
 class RequestLatency:
