@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.tls import TlsFiles
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -36,6 +38,8 @@ class SchedulerConfig:
     max_pixels: int = 448 * 448
     step_timeout_s: float = 60.0
     metrics_port: int = 0
+    tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
+    health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     limits: Limits = field(default_factory=Limits)
 
     @property

@@ -239,9 +239,16 @@ def mm_hash(content: bytes | np.ndarray, cfg: ImageProcessorConfig, salt: str) -
     return _digest(_HASH_VERSION, settings, salt.encode(), b"encoded", content)
 
 
-def mm_hash_from_uuid(uuid: str, salt: str) -> str:
-    """The processor-cache key of an image the client named: its uuid within the salt."""
-    return _digest(_HASH_VERSION, b"uuid", uuid.encode(), salt.encode())
+def mm_hash_from_uuid(uuid: str, salt: str, grid: tuple[int, int]) -> str:
+    """The processor-cache key of an image the client named: its uuid within the salt, and
+    its resized (height, width), which fixes its placeholder count.
+
+    NOTE: without the size, a uuid reused for an image of another size would hit an item
+    whose patches do not match the request's placeholders: the workers refuse that step,
+    which fails every request in flight on the cell, not just the offender's.
+    """
+    size = b"%dx%d" % grid
+    return _digest(_HASH_VERSION, b"uuid", uuid.encode(), salt.encode(), size)
 
 
 def _digest(*parts: bytes | memoryview) -> str:

@@ -192,9 +192,9 @@ class InputProcessor:
             pixels = _pixels(media)
             height, width = pixels.shape[:2]
             key = mm_hash(pixels, self.images, salt)
-        if media.HasField("uuid"):
-            key = mm_hash_from_uuid(media.uuid, salt)
         h, w = smart_resize(height, width, self.images)
+        if media.HasField("uuid"):
+            key = mm_hash_from_uuid(media.uuid, salt, (h, w))
         merge = self.images.merge_size * self.images.patch_size
         return _Image(key, (h // merge) * (w // merge), media)
 

@@ -26,6 +26,8 @@ from tandem.processor_cache import (
     ProcessorCache,
     ShmProcessorCache,
 )
+from tandem.shared_dir import prepare_shared_dir
+from tandem.tls import server_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class SchedulerServer:
     workers: WorkerPool
     health: health.aio.HealthServicer
     metrics: MetricsEndpoint | None = None
+    probes: grpc.aio.Server | None = None  # the plaintext health port, if any
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
@@ -50,6 +53,8 @@ class SchedulerServer:
         stop serving metrics."""
         await self.health.enter_graceful_shutdown()
         stopping = self.server.stop(grace)
+        if self.probes is not None:
+            await self.probes.stop(0)
         await self.engine.stop()
         await stopping
         await self.workers.close()
@@ -61,7 +66,7 @@ class SchedulerServer:
 def make_cache(config: SchedulerConfig) -> ProcessorCache:
     if config.mm_cache == "shm":
         shm_dir = Path(config.shm_dir)
-        shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prepare_shared_dir(shm_dir, config.shm_group_mode)
         return ShmProcessorCache(shm_dir, config.mm_cache_size, config.num_workers,
                                  config.mm_cache_max_object_size,
                                  mode=0o640 if config.shm_group_mode else 0o600)
@@ -74,6 +79,7 @@ def make_cache(config: SchedulerConfig) -> ProcessorCache:
 
 async def create_server(config: SchedulerConfig) -> SchedulerServer:
     """Start everything; returns once the workers are described and Generate is served."""
+    credentials = server_credentials(config.tls)  # bad TLS files fail before anything starts
     cache = make_cache(config)
     workers = WorkerPool(list(config.worker_addresses))
     health_servicer = health.aio.HealthServicer()
@@ -106,21 +112,41 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(config.listen)
+    port = (server.add_secure_port(config.listen, credentials) if credentials
+            else server.add_insecure_port(config.listen))
     await server.start()
+    probes = None
     try:
+        probes = await _health_server(health_servicer, config.health_listen)
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
         await server.stop(0)
+        if probes is not None:
+            await probes.stop(0)
         await engine.stop()
         await workers.close()
         cache.close()
         raise
-    log.info("scheduler serving %s on port %d (%d workers, cache %s)", SERVICE_NAME, port,
-             config.num_workers, cache.kind)
-    return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics)
+    tls = "mutual TLS" if config.tls.ca else "TLS" if credentials else "plaintext"
+    log.info("scheduler serving %s on port %d, %s (%d workers, cache %s)", SERVICE_NAME, port,
+             tls, config.num_workers, cache.kind)
+    return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics,
+                           probes)
+
+
+async def _health_server(servicer: health.aio.HealthServicer,
+                         listen: str) -> grpc.aio.Server | None:
+    """Health alone, in plaintext, on its own port: kubelet gRPC probes speak no TLS, and
+    the public port's services must not be reachable without it."""
+    if not listen:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(listen)
+    await server.start()
+    return server
 
 
 def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:

@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tandem import __version__
+from tandem.shared_dir import UnsafeSharedDir, prepare_shared_dir
 from tandem.sizes import parse_size
+from tandem.tls import TlsConfigError, TlsFiles
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -65,6 +67,13 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "16")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+    p.add_argument("--tls-cert", default=_env("TLS_CERT", ""),
+                   help="PEM certificate chain: the public port speaks TLS")
+    p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", ""),
+                   help="PEM CA bundle: clients must present a certificate it signed (mTLS)")
+    p.add_argument("--health-listen", default=_env("HEALTH_LISTEN", ""),
+                   help="extra host:port serving only gRPC health, in plaintext (probes)")
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -86,7 +95,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         shm_group_mode=args.shm_group_mode, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, worker_addresses=tuple(addresses),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, health_listen=args.health_listen,
+        tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca))
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
@@ -114,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.supervisor import WorkerSupervisor
 
     shm_dir = Path(args.shm_dir)
-    shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    prepare_shared_dir(shm_dir, args.shm_group_mode)  # refused: nothing started or removed
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
     tracing_args = (args.otlp_endpoint, args.trace_file)
 
@@ -271,7 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (TlsConfigError, UnsafeSharedDir) as exc:  # settings the user must fix
+        print(f"tandem {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

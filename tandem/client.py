@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from tandem.tls import TlsFiles, channel_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 
@@ -22,13 +23,32 @@ def add_client_commands(sub: argparse._SubParsersAction, default_target: str) ->
     p.add_argument("--cache-salt", default="")
     p.add_argument("--target", default=default_target)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    _add_tls_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("stats", help="show the cell's cache counters")
     p.add_argument("--target", default=default_target)
+    _add_tls_flags(p)
     p.add_argument("--per-cell", action="store_true",
                    help="behind a router: each cell's figures next to the total")
     p.set_defaults(func=cmd_stats)
+
+
+def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true",
+                   help="connect with TLS, trusting the system CAs (implied by --tls-ca)")
+    p.add_argument("--tls-ca", default="", help="PEM CA bundle the server certificate must "
+                   "chain to")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """Plaintext, or TLS when any --tls* flag is given."""
+    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    if not (args.tls or files.enabled):
+        return grpc.insecure_channel(args.target)
+    return grpc.secure_channel(args.target, channel_credentials(files))
 
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
@@ -48,7 +68,7 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     request = build_request(args)
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         start = time.monotonic()
         ttft = None
@@ -76,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
             stats, call = stub.CacheStats.with_call(generate_pb2.CacheStatsRequest(), timeout=10)

@@ -196,7 +196,7 @@ def test_mm_hash_covers_content_settings_and_salt() -> None:
         mm_hash(png, CFG, "tenant"),
         mm_hash(png, ImageProcessorConfig(max_pixels=224 * 224), ""),
         mm_hash(png, ImageProcessorConfig(mean=(0.4, 0.5, 0.5)), ""),
-        mm_hash_from_uuid("photo-1", ""),
+        mm_hash_from_uuid("photo-1", "", (28, 28)),
     }
     assert base not in others and len(others) == 5
     # Limits do not change the output, so they do not change the key.
@@ -214,7 +214,9 @@ def test_mm_hash_of_arrays_includes_shape_and_dtype() -> None:
     assert mm_hash(transposed, CFG, "") == mm_hash(np.ascontiguousarray(transposed), CFG, "")
 
 
-def test_uuid_hash_depends_on_uuid_and_salt_only() -> None:
-    assert mm_hash_from_uuid("u", "") == mm_hash_from_uuid("u", "")
-    assert mm_hash_from_uuid("u", "") != mm_hash_from_uuid("u", "s")
-    assert mm_hash_from_uuid("u", "s") != mm_hash_from_uuid("us", "")
+def test_uuid_hash_depends_on_uuid_salt_and_size_only() -> None:
+    g = (56, 84)
+    assert mm_hash_from_uuid("u", "", g) == mm_hash_from_uuid("u", "", g)
+    assert mm_hash_from_uuid("u", "", g) != mm_hash_from_uuid("u", "s", g)
+    assert mm_hash_from_uuid("u", "s", g) != mm_hash_from_uuid("us", "", g)
+    assert mm_hash_from_uuid("u", "", g) != mm_hash_from_uuid("u", "", (84, 56))

@@ -1,0 +1,262 @@
+"""Security of a local cell, with real processes: mutual TLS on the public port (and the
+plaintext health-only port for probes), private files in the shared directory, refusal of
+an unsafe shared directory, tenant isolation by ``cache_salt`` in the prefix and processor
+caches, and one client's reused image uuid not failing other clients' requests.
+
+Certificates are made here with ``cryptography``: a CA, a server certificate for
+localhost/127.0.0.1, a client certificate from the same CA and one from a rogue CA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cells import Cell, _wait_serving, free_port, png, request
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_DEBUG_INVARIANTS="1")
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    rogue_cert: Path
+    rogue_key: Path
+
+    def client(self, cert: Path | None = None, key: Path | None = None,
+               ca: Path | None = None) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=(ca or self.ca).read_bytes(),
+            private_key=key.read_bytes() if key else None,
+            certificate_chain=cert.read_bytes() if cert else None)
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject: str, key, issuer: str, issuer_key, ca: bool,
+          names: list[x509.GeneralName] = ()) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(hours=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key) -> tuple[Path, Path]:
+    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return path.with_suffix(".crt"), path.with_suffix(".key")
+
+
+def make_pki(d: Path) -> Pki:
+    ca_key, rogue_ca_key = _key(), _key()
+    ca = _cert("tandem test CA", ca_key, "tandem test CA", ca_key, ca=True)
+    _write(d / "ca", ca, ca_key)
+    server_key = _key()
+    server = _cert("localhost", server_key, "tandem test CA", ca_key, ca=False,
+                   names=[x509.DNSName("localhost"),
+                          x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    client_key, rogue_key = _key(), _key()
+    client = _cert("tenant-a", client_key, "tandem test CA", ca_key, ca=False)
+    rogue = _cert("mallory", rogue_key, "rogue CA", rogue_ca_key, ca=False)
+    return Pki(d / "ca.crt", *_write(d / "server", server, server_key),
+               *_write(d / "client", client, client_key), *_write(d / "rogue", rogue, rogue_key))
+
+
+@dataclass
+class TlsCell:
+    cell: Cell
+    pki: Pki
+    health_port: int
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def tls_cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCell]:
+    tmp = tmp_path_factory.mktemp("tls")
+    pki = make_pki(tmp)
+    port, health_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--shm-dir", str(tmp / "shm"), "--kv-cache-size", "16Mi", "--log-level", "INFO",
+           "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+           "--tls-client-ca", str(pki.ca), "--health-listen", f"127.0.0.1:{health_port}"]
+    with open(tmp / "cell.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        channel = grpc.secure_channel(f"127.0.0.1:{port}",
+                                      pki.client(pki.client_cert, pki.client_key))
+        cell = Cell(f"127.0.0.1:{port}", tmp / "shm", proc, channel)
+        try:
+            _wait_serving(cell, 90, tmp / "cell.log")
+            yield TlsCell(cell, pki, health_port, tmp)
+        finally:
+            channel.close()
+            proc.terminate()
+            proc.wait(30)
+
+
+def _call(target: str, credentials: grpc.ChannelCredentials | None) -> str:
+    """Status of one CacheStats call over a fresh channel ("OK" on success)."""
+    with (grpc.secure_channel(target, credentials) if credentials
+          else grpc.insecure_channel(target)) as channel:
+        try:
+            generate_pb2_grpc.GenerationStub(channel).CacheStats(
+                generate_pb2.CacheStatsRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "OK"
+
+
+def test_mutual_tls_admits_only_clients_of_the_ca(tls_cell: TlsCell) -> None:
+    target, pki = tls_cell.cell.target, tls_cell.pki
+    assert _call(target, pki.client(pki.client_cert, pki.client_key)) == "OK"
+    assert _call(target, None) == "UNAVAILABLE", "plaintext is refused"
+    assert _call(target, pki.client()) == "UNAVAILABLE", "TLS without a client certificate"
+    assert _call(target, pki.client(pki.rogue_cert, pki.rogue_key)) == "UNAVAILABLE"
+    assert _call(target, pki.client(pki.client_cert, pki.client_key,
+                                    ca=pki.rogue_cert)) == "UNAVAILABLE", "server not trusted"
+    log = (tls_cell.tmp / "cell.log").read_text()
+    assert "mutual TLS" in log
+
+
+def test_generate_cli_speaks_mutual_tls(tls_cell: TlsCell) -> None:
+    pki = tls_cell.pki
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "generate", "Hello there", "--max-tokens", "3",
+         "--target", tls_cell.cell.target, "--tls-ca", str(pki.ca),
+         "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)],
+        capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert "3 generated" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "generate", "Hello", "--target",
+         tls_cell.cell.target, "--tls-ca", str(pki.ca)],
+        capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_health_port_serves_health_only_in_plaintext(tls_cell: TlsCell) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{tls_cell.health_port}") as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            generate_pb2_grpc.GenerationStub(channel).CacheStats(
+                generate_pb2.CacheStatsRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_shared_directory_files_are_private(tls_cell: TlsCell) -> None:
+    shm = tls_cell.cell.shm_dir
+    tls_cell.cell.generate("<image> stored", [png(1)], max_tokens=1)
+    modes = {p.name: os.stat(p) for p in [shm, shm / "features.seg", shm / "worker-0.sock"]}
+    assert stat.S_IMODE(modes["shm"].st_mode) == 0o700
+    assert stat.S_IMODE(modes["features.seg"].st_mode) == 0o600
+    assert stat.S_ISSOCK(modes["worker-0.sock"].st_mode)
+    assert stat.S_IMODE(modes["worker-0.sock"].st_mode) == 0o600
+    assert {m.st_uid for m in modes.values()} == {os.geteuid()}
+
+
+def test_cache_salt_isolates_tenants(tls_cell: TlsCell) -> None:
+    """A salted request never hits another salt's prefix blocks or processed images."""
+    cell = tls_cell.cell
+    prompt = "Tenant prompt with a shared prefix long enough for blocks: <image> now."
+    image = png(77)
+
+    def usage(salt: str) -> generate_pb2.Usage:
+        return cell.generate(prompt, [image], max_tokens=4, cache_salt=salt)[2].usage
+
+    first = {salt: usage(salt) for salt in ("", "tenant-a", "tenant-b")}
+    for u in first.values():
+        assert (u.cached_prompt_tokens, u.mm_cache_hits, u.encoder_runs) == (0, 0, 1), u
+    again = {salt: usage(salt) for salt in ("", "tenant-a", "tenant-b")}
+    for u in again.values():  # each tenant hits only its own entries
+        assert u.cached_prompt_tokens > 0 and u.mm_cache_hits == 1 and u.encoder_runs == 0, u
+    assert cell.stats().mm_cache_misses_total >= 3
+
+
+def test_reused_uuid_does_not_fail_other_clients(tls_cell: TlsCell) -> None:
+    """One client names two images of different sizes with the same uuid; a concurrent
+    client's request must finish normally (a step refused by the workers would fail it)."""
+    cell = tls_cell.cell
+    outcome: list[str] = []
+
+    def innocent() -> None:
+        msg = request("An innocent request that keeps running", max_tokens=200,
+                      ignore_eos=True)
+        try:
+            n = sum(len(m.token_ids) for m in cell.stub.Generate(msg, timeout=120))
+            outcome.append(f"OK {n}")
+        except grpc.RpcError as exc:
+            outcome.append(exc.code().name)
+
+    thread = threading.Thread(target=innocent)
+    thread.start()
+    time.sleep(0.3)
+    for size in ((112, 84), (224, 224)):
+        msg = request("<image>", [png(5, *size)], max_tokens=2)
+        msg.images[0].uuid = "same-name"
+        assert list(cell.stub.Generate(msg, timeout=60))[-1].usage.mm_items == 1
+    thread.join(120)
+    assert outcome == ["OK 200"]
+
+
+@pytest.mark.parametrize("unsafe", ["world-writable", "group-writable", "other-owner"])
+def test_scheduler_refuses_an_unsafe_shared_directory(tmp_path: Path, unsafe: str) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    if unsafe == "world-writable":
+        shm.chmod(0o777)
+    elif unsafe == "group-writable":
+        shm.chmod(0o770)
+    elif os.geteuid() == 0:
+        os.chown(shm, 65534, 65534)
+    else:
+        pytest.skip("changing the owner needs root")
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "scheduler", "--shm-dir", str(shm),
+         "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 2, out.stderr
+    assert f"refusing the shared directory {shm}" in out.stderr, out.stderr
+    assert not list(shm.iterdir()), "nothing was created in it"
+
+
+def test_bad_tls_settings_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "scheduler", "--shm-dir", str(tmp_path / "shm"),
+         "--tls-cert", str(tmp_path / "cert.pem"), "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 2 and "--tls-key" in out.stderr, out.stderr
