@@ -116,6 +116,18 @@ def _tensor_image(t: torch.Tensor) -> generate_pb2.GenerateRequest:
     return msg
 
 
+def _no_data_image() -> generate_pb2.GenerateRequest:
+    msg = request("Look: <image>")
+    msg.images.add()
+    return msg
+
+
+def _stop_token(token: int) -> generate_pb2.GenerateRequest:
+    msg = request("hi")
+    msg.sampling.stop_token_ids.append(token)
+    return msg
+
+
 BAD = {
     "corrupt-png": (request("<image>", [b"\x89PNG\r\n\x1a\nnot really"]), "INVALID_ARGUMENT"),
     "truncated-jpeg": (request("<image>", [_jpeg_truncated()]), "INVALID_ARGUMENT"),
@@ -141,6 +153,12 @@ BAD = {
     "tensor-out-of-range": (_tensor_image(torch.full((28, 28, 3), 2.0)), "INVALID_ARGUMENT"),
     "message-too-large": (request("<image>", [b"\x89PNG" + bytes(170 * 2**20)]),
                           "RESOURCE_EXHAUSTED"),
+    # A readable header but a cut body: refused after the image before it was cached.
+    "truncated-png-after-a-good-one": (request("<image> <image>", [png(3), png(4)[:400]]),
+                                       "INVALID_ARGUMENT"),
+    "image-without-data": (_no_data_image(), "INVALID_ARGUMENT"),
+    "temperature-nan": (request("hi", temperature=float("nan")), "INVALID_ARGUMENT"),
+    "stop-token-outside-vocabulary": (_stop_token(10**6), "INVALID_ARGUMENT"),
 }
 
 
