@@ -204,6 +204,26 @@ def test_a_descriptor_repeated_within_a_step_is_refused(target: Target) -> None:
     assert _unacked(target) == len(target.live)
 
 
+def test_integer_pixels_are_refused_before_anything_changes(target: Target) -> None:
+    """Pixels of the right shape but an integer dtype would fail in the encoder, after the
+    commit point; they must be refused with the checks."""
+    tokens, feats = synthetic_prompt(CONFIG, ["Look: ", "?"], IMAGES[:1])
+    step = StepInput(1, new_requests=[NewRequestData(
+        "ints", tokens, len(tokens), feats, SamplingParams(), [0, 1, 2], 0)],
+        num_scheduled_tokens={"ints": len(tokens)}, scheduled_encoder_inputs={"ints": [0]})
+    msg = step_to_proto(step)
+    pixels = msg.new_requests[0].features[0].item.fields[0].tensor
+    assert pixels.dtype == "float32"
+    pixels.dtype, pixels.data = "int32", pixels.data  # same size, integer elements
+    with pytest.raises(grpc.RpcError) as err:
+        target.stub.Step(msg, timeout=30)
+    assert error_info(err.value).reason == "BAD_PIXELS"
+    out = target.stub.Step(step_to_proto(step), timeout=30)  # "ints" was not admitted
+    assert list(out.sampled) == ["ints"]
+    target.stub.Step(step_to_proto(StepInput(2, finished_request_ids=["ints"],
+                                             free_encoder_mm_hashes=["img-0"])), timeout=30)
+
+
 @pytest.fixture(scope="module")
 def fuzzed(target: Target) -> Target:
     """Run the fuzzing once; the tests below check what it left behind."""

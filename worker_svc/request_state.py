@@ -128,7 +128,8 @@ def _image_span(f: MultiModalFeatureSpec, token_ids: list[int],
         raise InvalidInput(f"feature {f.identifier}: grid {h}x{w} does not give "
                            f"{pos.length} embeddings", reason="BAD_GRID")
     pixels = f.data.get(PIXEL_VALUES)
-    if pixels is not None and tuple(pixels.data.shape) != (h * w, config.patch_dim):
-        raise InvalidInput(f"feature {f.identifier}: {PIXEL_VALUES} must be "
+    if pixels is not None and (tuple(pixels.data.shape) != (h * w, config.patch_dim)
+                               or not pixels.data.is_floating_point()):
+        raise InvalidInput(f"feature {f.identifier}: {PIXEL_VALUES} must be floats shaped "
                            f"({h * w}, {config.patch_dim})", reason="BAD_PIXELS")
     return ImageSpan(pos.offset, h // m, w // m)
