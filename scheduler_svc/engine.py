@@ -227,8 +227,9 @@ class Engine:
     async def _watch_workers(self) -> None:
         while True:
             await self._serving_again.wait()
+            epoch = self._epoch
             rank = await self.workers.wait_lost()
-            if self.serving:  # else a failed step noticed first
+            if self.serving and epoch == self._epoch:  # else a failed step noticed first
                 self._worker_failed((rank,), f"worker {rank}: health stream ended")
 
     def _worker_failed(self, ranks: tuple[int, ...], why: str) -> None:
