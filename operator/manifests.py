@@ -224,7 +224,14 @@ def build_cleanup_job(spec: TandemSpec, cell: int, node: str, generation: int | 
                         "volumeMounts": [{"name": "root", "mountPath": "/host"}],
                         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
                                       "limits": {"memory": "64Mi"}},
-                        "securityContext": {"allowPrivilegeEscalation": False},
+                        # Root: the cell directory sits in kubelet's root-owned 0755
+                        # hostPath root and holds the pods' user's 0700 generations; it
+                        # needs DAC_OVERRIDE to remove them, nothing else.
+                        "securityContext": {
+                            "runAsUser": 0, "runAsNonRoot": False,
+                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]},
+                            "seccompProfile": {"type": "RuntimeDefault"}},
                     }],
                     "volumes": [{"name": "root", "hostPath": {
                         "path": spec.cache.host_root, "type": "DirectoryOrCreate"}}],

@@ -25,7 +25,13 @@ from tandem_operator.manifests import (
 )
 from tandem_operator.placement import Cell
 from tandem_operator.spec import TandemSpec
-from tandem_operator.workloads import container_security, probes
+from tandem_operator.workloads import (
+    SCRATCH_ENV,
+    SCRATCH_MOUNT,
+    container_security,
+    probes,
+    scratch_volume,
+)
 
 READY_SERVICE = "tandem.v1.Generation"  # SERVING while at least one cell is
 
@@ -76,7 +82,9 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
         "command": ["tandem", "router"],
         "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}],
         "envFrom": [{"configMapRef": {"name": router_name(spec)}}],
+        "env": [dict(SCRATCH_ENV)],
         "resources": resources,
+        "volumeMounts": [dict(SCRATCH_MOUNT)],
         "securityContext": container_security(),
         **probes(spec, spec.scheduler.port, READY_SERVICE),
     }
@@ -89,6 +97,7 @@ def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
         "containers": [_container(spec)],
+        "volumes": [scratch_volume()],
     }
     if spec.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]

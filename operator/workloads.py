@@ -35,6 +35,9 @@ from tandem_operator.placement import INSTANCE_LABEL, Cell, resource_amount
 from tandem_operator.spec import Resources, TandemSpec
 
 HOSTNAME = "kubernetes.io/hostname"
+SCRATCH_DIR = "/tmp"  # the containers' only writable path besides their volumes
+SCRATCH_MOUNT = {"name": "tmp", "mountPath": SCRATCH_DIR}
+SCRATCH_ENV = {"name": "HOME", "value": SCRATCH_DIR}  # the image sets it too; another may not
 # Prepares the cell directory before any Tandem process touches it: kubelet creates hostPath
 # and subPath directories as root 0755, where a non-root scheduler could not write. Pruning
 # removes only older generations, never a newer one a rolled pod may already use.
@@ -90,7 +93,20 @@ def _resources(res: Resources, extra: dict[str, int]) -> dict[str, Any]:
 
 
 def container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    """Every long-running Tandem container (scheduler, worker, router): a non-root user, no
+    capabilities, no privilege escalation, the runtime's seccomp profile, and a read-only root
+    filesystem. What they write goes to their volumes: the cell directory, /dev/shm (workers)
+    and the scratch emptyDir at /tmp (`scratch_volume`)."""
+    return {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def scratch_volume() -> dict[str, Any]:
+    """/tmp for temporary files and for HOME (`SCRATCH_ENV`): torch, CUDA and Triton keep
+    their caches under ~, and the image's user has no home. Disk-backed, counted as the pod's
+    ephemeral storage."""
+    return {"name": "tmp", "emptyDir": {}}
 
 
 def _prepare_container(spec: TandemSpec, cell: Cell, prune: bool) -> dict[str, Any]:
@@ -102,8 +118,12 @@ def _prepare_container(spec: TandemSpec, cell: Cell, prune: bool) -> dict[str, A
         "imagePullPolicy": spec.pull_policy,
         "command": ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, str(cell.generation),
                     f"{spec.run_as_user}:{spec.run_as_group}", "true" if prune else "false"],
+        # Root, because kubelet creates the hostPath directory root-owned 0755 and the
+        # generation directory must be given to the pods' user; with only the capabilities
+        # that takes: CHOWN (chown), FOWNER (chmod of a directory it no longer owns, on a
+        # restart), DAC_OVERRIDE (remove older generations, 0700 and owned by that user).
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
-                            "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"],
                                              "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}},
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
@@ -141,7 +161,7 @@ def _affinity(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
 
 def _volumes(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [{"name": "cell", "hostPath": {
-        "path": cell_dir(spec, cell.index), "type": "DirectoryOrCreate"}}]
+        "path": cell_dir(spec, cell.index), "type": "DirectoryOrCreate"}}, scratch_volume()]
     if component == "worker" and spec.shm_size:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
                                                      "sizeLimit": str(spec.shm_size)}})
@@ -153,7 +173,8 @@ def _volumes(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any
 
 def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": "cell", "mountPath": SHM_MOUNT,
-                                     "subPath": generation_dir(cell.generation)}]
+                                     "subPath": generation_dir(cell.generation)},
+                                    dict(SCRATCH_MOUNT)]
     if component == "worker" and spec.shm_size:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model_claim:
@@ -176,7 +197,7 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
         resources = _resources(spec.worker.resources, gpus)
         user_env, ready = spec.worker.env, ""
     env += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
-            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}]
+            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}, dict(SCRATCH_ENV)]
     env += [{"name": k, "value": v} for k, v in user_env]
     return {
         "name": component,

@@ -128,9 +128,10 @@ def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
     assert env_of(c)["TANDEM_METRICS_PORT"] == "9400"
     assert c["envFrom"] == [{"configMapRef": {"name": "demo-1-config"}}]
     assert c["volumeMounts"] == [{"name": "cell", "mountPath": "/var/run/tandem",
-                                  "subPath": "gen-5"}]
+                                  "subPath": "gen-5"}, {"name": "tmp", "mountPath": "/tmp"}]
     assert pod["spec"]["volumes"] == [{"name": "cell", "hostPath": {
-        "path": "/dev/shm/tandem/serving.demo.1", "type": "DirectoryOrCreate"}}]
+        "path": "/dev/shm/tandem/serving.demo.1", "type": "DirectoryOrCreate"}},
+        {"name": "tmp", "emptyDir": {}}]
     init = pod["spec"]["initContainers"][0]
     assert init["command"][-4:] == ["/var/run/tandem-cell", "5", "10001:10001", "true"]
     assert pod["metadata"]["annotations"]["tandem.dev/segment-generation"] == "5"
@@ -166,7 +167,7 @@ def test_cpu_workers_use_the_plain_image_and_no_gpus() -> None:
     c = container(build_statefulset(spec, CELL, "worker"))
     assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0"
     assert "limits" not in c["resources"]
-    assert [m["name"] for m in c["volumeMounts"]] == ["cell"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["cell", "tmp"]
 
 
 def test_a_new_size_changes_the_hash_on_the_pod_templates() -> None:
@@ -233,3 +234,44 @@ def test_workers_service_names_every_worker_before_it_is_ready() -> None:
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
     assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "worker"
     assert "tandem.dev/cell" not in svc["spec"]["selector"], "one Service for all cells"
+
+
+HARDENED = {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+@pytest.mark.parametrize("component", ["scheduler", "worker"])
+def test_cell_containers_are_non_root_read_only_and_write_only_to_volumes(
+        component: str) -> None:
+    spec = tandem_spec({"model": {"path": "/models/m", "claimName": "weights"}})
+    pod = build_pod_template(spec, CELL, component)["spec"]
+    assert pod["securityContext"] == {"runAsUser": 10001, "runAsGroup": 10001,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    [c] = pod["containers"]
+    assert c["securityContext"] == HARDENED
+    assert env_of(c)["HOME"] == "/tmp"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+    assert writable >= {"/tmp", "/var/run/tandem"}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+    assert {"name": "model", "mountPath": "/models/m", "readOnly": True} in c["volumeMounts"]
+    [init] = pod["initContainers"]  # root, but only to hand the hostPath to the pods' user
+    ctx = init["securityContext"]
+    assert ctx["runAsUser"] == 0 and ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}
+    assert [m["mountPath"] for m in init["volumeMounts"]] == ["/var/run/tandem-cell"]
+
+
+def test_router_and_cleanup_containers_are_locked_down() -> None:
+    spec = tandem_spec({"cells": 2})
+    router = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    [c] = router["containers"]
+    assert c["securityContext"] == HARDENED
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert router["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+    [rm] = build_cleanup_job(spec, 1, "gpu-7")["spec"]["template"]["spec"]["containers"]
+    ctx = rm["securityContext"]  # root: the cell directory lies in a root-owned 0755 one
+    assert ctx["runAsUser"] == 0 and ctx["readOnlyRootFilesystem"] is True
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
