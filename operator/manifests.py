@@ -16,7 +16,7 @@ SHM_MOUNT = "/var/run/tandem"
 CELL_MOUNT = "/var/run/tandem-cell"
 SCHEDULER_METRICS_PORT = 9400
 WORKER_METRICS_PORT = 9401
-WORKER_PORT = 50061
+HEALTH_PORT = 50061  # every pod's plaintext health-only port (kubelet probes)
 TP_PORT = 29500  # the tensor-parallel rendezvous, served by worker 0 of a cell
 CONFIG_HASH = "tandem.dev/config-hash"
 GENERATION = "tandem.dev/segment-generation"
@@ -98,6 +98,7 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         "TANDEM_WORKER_ADDRESSES": ",".join(
             f"unix://{SHM_MOUNT}/worker-{rank}.sock" for rank in range(workers)),
         "TANDEM_DEVICE": spec.worker.device,
+        "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         **tensor_parallel_config(spec, cell.index),
         "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
                                      f"tandem.service={spec.name},tandem.cell={cell.index}"),

@@ -19,6 +19,8 @@ GROUP = "tandem.dev"
 VERSION = "v1alpha1"
 PLURAL = "tandemservices"
 KIND = "TandemService"
+# The pods' metrics and health ports (manifests.py), which scheduler.port must avoid.
+RESERVED_PORTS = (9400, 9401, 50061)
 
 
 class SpecError(ValueError):
@@ -233,6 +235,9 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec
     if parsed.worker.workers_per_cell % parsed.worker.tensor_parallel_size:
         raise SpecError("worker.workersPerCell must be a multiple of "
                         "worker.tensorParallelSize")  # mirrors the CEL rule
+    if parsed.scheduler.port in RESERVED_PORTS:
+        raise SpecError("scheduler.port must not be 9400, 9401 or 50061 (the metrics and "
+                        "health ports)")  # mirrors the CEL rule
     if parsed.worker.device.startswith("cuda") and parsed.worker.gpu_count == 0:
         raise SpecError("worker.device cuda needs worker.gpu.count >= 1")  # mirrors the CEL rule
     return parsed

@@ -16,11 +16,11 @@ from tandem_operator.manifests import (
     COMPONENT_LABEL,
     CONFIG_HASH,
     GENERATION,
+    HEALTH_PORT,
     NODE,
     SCHEDULER_METRICS_PORT,
     SHM_MOUNT,
     WORKER_METRICS_PORT,
-    WORKER_PORT,
     cell_config,
     cell_dir,
     child_name,
@@ -61,7 +61,9 @@ def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str
 
 
 def probes(spec: TandemSpec, port: int, ready_service: str) -> dict[str, Any]:
-    """Native gRPC probes on grpc.health.v1.
+    """Native gRPC probes on grpc.health.v1, at `port`: the health-only port where the
+    component has one (kubelet probes speak no TLS, and must not need the worker's
+    unauthenticated Step API on the network).
 
     Liveness is lenient (6 x 10 s on the server's overall health, "") so one slow reply never
     kills a pod; readiness asks for the real dependency (`tandem.v1.Generation` is SERVING
@@ -183,19 +185,26 @@ def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]
 
 
 def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
+    """The scheduler or a worker. Both get TANDEM_HEALTH_LISTEN from the cell's ConfigMap
+    and are probed there; only the scheduler exposes a gRPC port (workers are reached
+    through their Unix sockets in the cell directory)."""
+    ports: list[dict[str, Any]] = []
     if component == "scheduler":
-        port, metrics, image = spec.scheduler.port, SCHEDULER_METRICS_PORT, spec.scheduler.image
-        env: list[dict[str, Any]] = [{"name": "TANDEM_LISTEN", "value": f"0.0.0.0:{port}"}]
+        metrics, image = SCHEDULER_METRICS_PORT, spec.scheduler.image
+        ports.append({"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"})
+        env: list[dict[str, Any]] = [{"name": "TANDEM_LISTEN",
+                                      "value": f"0.0.0.0:{spec.scheduler.port}"}]
         resources = _resources(spec.scheduler.resources, {"memory": cell.cache_bytes})
         user_env, ready = spec.scheduler.env, "tandem.v1.Generation"
     else:
-        port, metrics, image = WORKER_PORT, WORKER_METRICS_PORT, spec.worker.image
+        metrics, image = WORKER_METRICS_PORT, spec.worker.image
         env = [{"name": "TANDEM_WORKER_RANK", "valueFrom": {"fieldRef": {
-                   "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
-               {"name": "TANDEM_WORKER_LISTEN", "value": f"0.0.0.0:{port}"}]
+            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}]
         gpus = {spec.worker.gpu_resource: spec.worker.gpu_count} if spec.worker.gpu_count else {}
         resources = _resources(spec.worker.resources, gpus)
         user_env, ready = spec.worker.env, ""
+    ports += [{"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
+              {"name": "metrics", "containerPort": metrics, "protocol": "TCP"}]
     env += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
             {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}, dict(SCRATCH_ENV)]
     env += [{"name": k, "value": v} for k, v in user_env]
@@ -204,14 +213,13 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
         "image": image,
         "imagePullPolicy": spec.pull_policy,
         "command": ["tandem", component],
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": metrics, "protocol": "TCP"}],
+        "ports": ports,
         "envFrom": [{"configMapRef": {"name": child_name(spec, cell.index, "config")}}],
         "env": env,
         "resources": resources,
         "volumeMounts": _mounts(spec, cell, component),
         "securityContext": container_security(),
-        **probes(spec, port, ready),
+        **probes(spec, HEALTH_PORT, ready),
     }
 
 

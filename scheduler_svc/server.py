@@ -20,6 +20,7 @@ from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.worker_client import WorkerPool
 from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
+from tandem.health_port import HealthPort
 from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
 from tandem.processor_cache import (
     LruProcessorCache,
@@ -45,7 +46,7 @@ class SchedulerServer:
     workers: WorkerPool
     health: health.aio.HealthServicer
     metrics: MetricsEndpoint | None = None
-    probes: grpc.aio.Server | None = None  # the plaintext health port, if any
+    probes: HealthPort | None = None  # the plaintext health port, if any
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
@@ -54,7 +55,7 @@ class SchedulerServer:
         await self.health.enter_graceful_shutdown()
         stopping = self.server.stop(grace)
         if self.probes is not None:
-            await self.probes.stop(0)
+            await self.probes.stop()
         await self.engine.stop()
         await stopping
         await self.workers.close()
@@ -117,14 +118,14 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     await server.start()
     probes = None
     try:
-        probes = await _health_server(health_servicer, config.health_listen)
+        probes = await HealthPort.start(health_servicer, config.health_listen)
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
         await server.stop(0)
         if probes is not None:
-            await probes.stop(0)
+            await probes.stop()
         await engine.stop()
         await workers.close()
         cache.close()
@@ -134,19 +135,6 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
              tls, config.num_workers, cache.kind)
     return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics,
                            probes)
-
-
-async def _health_server(servicer: health.aio.HealthServicer,
-                         listen: str) -> grpc.aio.Server | None:
-    """Health alone, in plaintext, on its own port: kubelet gRPC probes speak no TLS, and
-    the public port's services must not be reachable without it."""
-    if not listen:
-        return None
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(listen)
-    await server.start()
-    return server
 
 
 def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:

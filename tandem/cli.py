@@ -72,6 +72,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", ""),
                    help="PEM CA bundle: clients must present a certificate it signed (mTLS)")
+    _add_health_listen(p)
+
+
+def _add_health_listen(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-listen", default=_env("HEALTH_LISTEN", ""),
                    help="extra host:port serving only gRPC health, in plaintext (probes)")
 
@@ -100,12 +104,13 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
-                   tp_master: tuple[str, int] = ("127.0.0.1", 29500)):
+                   tp_master: tuple[str, int] = ("127.0.0.1", 29500), health_listen: str = ""):
     from worker_svc.config import WorkerConfig
 
     return WorkerConfig(
         model=args.model, shm_dir=args.shm_dir, rank=rank, world_size=world_size,
-        worker_listen=listen, device=args.device, block_size=args.block_size,
+        worker_listen=listen, health_listen=health_listen, device=args.device,
+        block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
         tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
         tp_master_port=tp_master[1],
@@ -213,7 +218,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     _setup_tracing("tandem-worker", args)
     try:
         serve(_worker_config(args, args.rank, args.workers, args.worker_listen,
-                             (args.tp_master_addr, args.tp_master_port)))
+                             (args.tp_master_addr, args.tp_master_port), args.health_listen))
     finally:
         _shutdown_tracing()
     return 0
@@ -321,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_flags(p)
     p.add_argument("--rank", type=int, default=int(_env("WORKER_RANK", "0")))
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1")))
-    p.add_argument("--worker-listen", default=_env("WORKER_LISTEN", ""))
+    p.add_argument("--worker-listen", default=_env("WORKER_LISTEN", ""),
+                   help="extra TCP host:port serving the Worker API (unauthenticated)")
+    _add_health_listen(p)
     p.add_argument("--tp-master-addr", default=_env("TP_MASTER_ADDR", "127.0.0.1"),
                    help="host of worker 0, where the tensor-parallel ranks meet")
     p.add_argument("--tp-master-port", type=int, default=int(_env("TP_MASTER_PORT", "29500")))

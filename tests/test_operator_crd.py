@@ -12,9 +12,18 @@ import yaml
 from kube_emulator.fixtures import CRD_PATH, REPO, SCHEMA, defaulted_spec, tandem_spec
 from kube_emulator.schema import apply_defaults, cel_rules, load_crd, validation_errors
 from tandem_operator.conditions import PodInfo, invalid_spec_conditions
+from tandem_operator.manifests import HEALTH_PORT, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT
 from tandem_operator.placement import Cell
 from tandem_operator.reconcile import ServiceState, status_payload
-from tandem_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec
+from tandem_operator.spec import (
+    GROUP,
+    KIND,
+    PLURAL,
+    RESERVED_PORTS,
+    VERSION,
+    SpecError,
+    parse_spec,
+)
 
 import tandem
 
@@ -123,7 +132,11 @@ def test_cel_rules_are_known_and_mirrored_by_the_parser() -> None:
         "!has(self.claimName) || has(self.path)",
         "!self.device.startsWith('cuda') || self.gpu.count > 0",
         "self.workersPerCell % self.tensorParallelSize == 0",
+        "!(self.port in [9400, 9401, 50061])",
     ])
+    with pytest.raises(SpecError, match=r"scheduler\.port must not be"):
+        tandem_spec({"scheduler": {"port": 50061}})
+    assert set(RESERVED_PORTS) == {SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, HEALTH_PORT}
     with pytest.raises(SpecError, match="device cuda needs"):
         tandem_spec({"worker": {"device": "cuda", "gpu": {"count": 0}}})
 

@@ -90,6 +90,7 @@ def test_configmap_carries_the_cell_settings() -> None:
         "TANDEM_WORKER_ADDRESSES": "unix:///var/run/tandem/worker-0.sock,"
                                    "unix:///var/run/tandem/worker-1.sock",
         "TANDEM_DEVICE": "auto",
+        "TANDEM_HEALTH_LISTEN": "0.0.0.0:50061",
         "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=serving,tandem.service=demo,tandem.cell=1",
     }
     assert cm["metadata"]["annotations"]["tandem.dev/config-hash"] == config_hash(cm["data"])
@@ -119,11 +120,14 @@ def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
     # the cache bytes are charged to the scheduler: default 1Gi request / 2Gi limit + 3Gi
     assert c["resources"] == {"requests": {"cpu": "1", "memory": str(4 * GI)},
                               "limits": {"memory": str(5 * GI)}}
-    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.Generation"}
-    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    # probed on the health-only port (plaintext even when Generate speaks TLS)
+    assert c["readinessProbe"]["grpc"] == {"port": 50061, "service": "tandem.v1.Generation"}
+    assert c["livenessProbe"]["grpc"] == {"port": 50061, "service": ""}
     assert c["livenessProbe"]["failureThreshold"] > 1
     assert c["startupProbe"]["failureThreshold"] == 360
-    assert c["ports"][0] == {"name": "grpc", "containerPort": 50051, "protocol": "TCP"}
+    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "health", "containerPort": 50061, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert env_of(c)["TANDEM_LISTEN"] == "0.0.0.0:50051"
     assert env_of(c)["TANDEM_METRICS_PORT"] == "9400"
     assert c["envFrom"] == [{"configMapRef": {"name": "demo-1-config"}}]
@@ -152,9 +156,10 @@ def test_workers_follow_their_scheduler_and_get_rank_gpus_and_shm() -> None:
     env = env_of(c)
     assert env["TANDEM_WORKER_RANK"] == {"fieldRef": {
         "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
-    assert env["TANDEM_WORKER_LISTEN"] == "0.0.0.0:50061"
+    assert "TANDEM_WORKER_LISTEN" not in env, "the Step API stays on the Unix socket"
     assert env["TANDEM_METRICS_PORT"] == "9401"
     assert c["readinessProbe"]["grpc"] == {"port": 50061, "service": ""}
+    assert [p["name"] for p in c["ports"]] == ["health", "metrics"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(GI)}} in pod[
         "volumes"]

@@ -1,5 +1,6 @@
 """The worker server in-process: health around warm-up and shutdown, health answering while a
-step runs, Describe, reflection, the Unix socket's mode and the extra TCP listener."""
+step runs, Describe, reflection, the Unix socket's mode, the extra TCP listener, and the
+health-only port (health answers there, the Worker API does not)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import stat
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -78,3 +80,35 @@ async def _scenario(tmp_path: Path) -> None:
 
 def test_health_describe_reflection_and_shutdown(tmp_path: Path) -> None:
     asyncio.run(_scenario(tmp_path))
+
+
+async def _health_port_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20, health_listen="127.0.0.1:0")
+    worker = await create_server(config)
+    try:
+        assert worker.addresses == [f"unix://{config.socket_path}"], "no Worker API on TCP"
+        assert worker.probes is not None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.probes.port}") as channel:
+            await worker.warmup
+            assert await _health(channel) == SERVING
+            assert await _health(channel, SERVICE_NAME) == SERVING
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for call in (stub.Describe(worker_pb2.DescribeRequest(), timeout=5),
+                         stub.Step(step_to_proto(StepInput(1)), timeout=5)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _list_services(channel)  # not even reflection reveals the Worker API
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await shutdown(worker)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.probes.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _health(channel)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, "closed on shutdown"
+
+
+def test_health_port_serves_health_and_refuses_the_worker_api(tmp_path: Path) -> None:
+    asyncio.run(_health_port_scenario(tmp_path))

@@ -15,6 +15,7 @@ class WorkerConfig:
     rank: int = 0  # SHM reader slot
     world_size: int = 1
     worker_listen: str = ""  # extra TCP host:port ("" = Unix socket only)
+    health_listen: str = ""  # plaintext host:port with grpc.health.v1 only (probes)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block; must equal the scheduler's
     kv_cache_bytes: int = 256 * MiB  # KV budget on CPU

@@ -1,9 +1,9 @@
 """The worker process: ``tandem.v1.Worker`` over gRPC, plus health and reflection.
 
-Lifecycle: ``create_server`` binds the Unix socket (and TCP if configured) and starts
-serving at once with health NOT_SERVING, while the model loads and warms up on the step
-thread; health turns SERVING when the warm-up step succeeded. ``shutdown`` is the one
-way down. ``serve`` ties both to SIGTERM/SIGINT for the CLI.
+Lifecycle: ``create_server`` binds the Unix socket (and TCP, and the health-only port, if
+configured) and starts serving at once with health NOT_SERVING, while the model loads and
+warms up on the step thread; health turns SERVING when the warm-up step succeeded.
+``shutdown`` is the one way down. ``serve`` ties both to SIGTERM/SIGINT for the CLI.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from tandem.errors import ErrorMappingInterceptor, ResourceExhausted, Unavailable
+from tandem.health_port import HealthPort
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -145,6 +146,7 @@ class RunningWorker:
     executor: ThreadPoolExecutor
     warmup: asyncio.Task[None]
     metrics: MetricsEndpoint | None = None
+    probes: HealthPort | None = None  # health only, for kubelet probes; never Step
 
 
 async def create_server(config: WorkerConfig) -> RunningWorker:
@@ -164,6 +166,7 @@ async def create_server(config: WorkerConfig) -> RunningWorker:
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     addresses = _bind(server, config)
     await server.start()
+    probes = await HealthPort.start(health_servicer, config.health_listen)
     warmup = asyncio.create_task(_warm_up(servicer, health_servicer), name="worker-warmup")
     metrics = None
     if config.metrics_port:
@@ -171,7 +174,7 @@ async def create_server(config: WorkerConfig) -> RunningWorker:
         registry.register(SnapshotCollector(servicer.telemetry.metric_values))
         metrics = await MetricsEndpoint.start(registry, config.metrics_port)
     return RunningWorker(config, server, addresses, health_servicer, servicer, executor, warmup,
-                         metrics)
+                         metrics, probes)
 
 
 def _bind(server: grpc.aio.Server, config: WorkerConfig) -> list[str]:
@@ -205,12 +208,15 @@ async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> No
     """Stop a worker in order.
 
     Health NOT_SERVING (probes and schedulers see it first) -> ``server.stop(grace)``
-    (new calls refused, the in-flight step may finish) -> cancel a warm-up still
-    running -> join the step thread -> detach from the segment -> remove the socket ->
-    stop serving metrics. The segment itself belongs to the scheduler and is left alone.
+    (new calls refused, the in-flight step may finish) -> close the health port -> cancel
+    a warm-up still running -> join the step thread -> detach from the segment -> remove
+    the socket -> stop serving metrics. The segment itself belongs to the scheduler and is
+    left alone.
     """
     await worker.health.enter_graceful_shutdown()
     await worker.server.stop(grace)
+    if worker.probes is not None:
+        await worker.probes.stop()
     worker.warmup.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await worker.warmup
@@ -234,7 +240,8 @@ async def _serve(config: WorkerConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
     worker = await create_server(config)
     worker.servicer.on_group_lost = stop.set  # a restarted process re-forms the group
-    log.info("worker %d listening on %s", config.rank, ", ".join(worker.addresses))
+    log.info("worker %d listening on %s%s", config.rank, ", ".join(worker.addresses),
+             f", health only on port {worker.probes.port}" if worker.probes else "")
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({worker.warmup, stopping}, return_when=asyncio.FIRST_COMPLETED)
