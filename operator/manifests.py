@@ -18,6 +18,8 @@ SCHEDULER_METRICS_PORT = 9400
 WORKER_METRICS_PORT = 9401
 HEALTH_PORT = 50061  # every pod's plaintext health-only port (kubelet probes)
 TP_PORT = 29500  # the tensor-parallel rendezvous, served by worker 0 of a cell
+TLS_DIR = "/etc/tandem/tls"  # the spec.tls.secretName Secret
+CLIENT_CA_DIR = "/etc/tandem/client-ca"  # the spec.tls.clientCASecretName Secret
 CONFIG_HASH = "tandem.dev/config-hash"
 GENERATION = "tandem.dev/segment-generation"
 NODE = "tandem.dev/node"  # on StatefulSets: the node their cell was placed on
@@ -100,6 +102,7 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         "TANDEM_DEVICE": spec.worker.device,
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         **tensor_parallel_config(spec, cell.index),
+        **tls_config(spec),
         "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
                                      f"tandem.service={spec.name},tandem.cell={cell.index}"),
     }
@@ -113,6 +116,36 @@ def tracing_config(spec: TandemSpec) -> dict[str, str]:
     return {"OTEL_EXPORTER_OTLP_ENDPOINT": spec.tracing.endpoint,
             "OTEL_TRACES_SAMPLER": spec.tracing.sampler,
             "OTEL_TRACES_SAMPLER_ARG": spec.tracing.ratio}
+
+
+def tls_config(spec: TandemSpec) -> dict[str, str]:
+    """TANDEM_TLS_* of the public port: files of the Secrets `tls_volumes` mounts. In the
+    config (not on the container) so that turning TLS on or off rolls the cells one at a
+    time; workers ignore these keys. Empty without TLS, so such cells' hash stays as it was.
+    """
+    if not spec.tls.enabled:
+        return {}
+    data = {"TANDEM_TLS_CERT": f"{TLS_DIR}/tls.crt", "TANDEM_TLS_KEY": f"{TLS_DIR}/tls.key"}
+    if spec.tls.client_ca_secret_name:
+        data["TANDEM_TLS_CLIENT_CA"] = f"{CLIENT_CA_DIR}/ca.crt"
+    return data
+
+
+def tls_volumes(spec: TandemSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The TLS Secrets as read-only volumes, and their mounts (scheduler and router).
+
+    Mode 0444: the pods' user reads them without an fsGroup (which would re-own every
+    volume of the pod, the model's claim included) and nothing in the pod can write them.
+    """
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for name, secret, path in (("tls", spec.tls.secret_name, TLS_DIR),
+                               ("client-ca", spec.tls.client_ca_secret_name, CLIENT_CA_DIR)):
+        if secret:
+            volumes.append({"name": name, "secret": {"secretName": secret,
+                                                     "defaultMode": 0o444}})
+            mounts.append({"name": name, "mountPath": path, "readOnly": True})
+    return volumes, mounts
 
 
 def tensor_parallel_config(spec: TandemSpec, cell: int) -> dict[str, str]:

@@ -87,6 +87,18 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class TlsSpec:
+    """Secrets for TLS on the public port ("" = none); a client CA needs the certificate."""
+
+    secret_name: str
+    client_ca_secret_name: str
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.secret_name)
+
+
+@dataclass(frozen=True)
 class TracingSpec:
     endpoint: str
     sampler: str
@@ -120,6 +132,7 @@ class TandemSpec:
     run_as_group: int
     tracing: TracingSpec
     router: RouterSpec
+    tls: TlsSpec
 
     @property
     def cache_bytes_requested(self) -> int:
@@ -215,6 +228,7 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
             load_factor=float(s["router"]["loadFactor"]),
             resources=_resources(s["router"]["resources"]),
         ),
+        tls=TlsSpec(s["tls"].get("secretName", ""), s["tls"].get("clientCASecretName", "")),
     )
 
 
@@ -235,6 +249,8 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec
     if parsed.worker.workers_per_cell % parsed.worker.tensor_parallel_size:
         raise SpecError("worker.workersPerCell must be a multiple of "
                         "worker.tensorParallelSize")  # mirrors the CEL rule
+    if parsed.tls.client_ca_secret_name and not parsed.tls.enabled:
+        raise SpecError("tls.clientCASecretName needs tls.secretName")  # mirrors the CEL rule
     if parsed.scheduler.port in RESERVED_PORTS:
         raise SpecError("scheduler.port must not be 9400, 9401 or 50061 (the metrics and "
                         "health ports)")  # mirrors the CEL rule

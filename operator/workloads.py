@@ -29,6 +29,7 @@ from tandem_operator.manifests import (
     labels,
     selector_labels,
     service_name,
+    tls_volumes,
     workers_service_name,
 )
 from tandem_operator.placement import INSTANCE_LABEL, Cell, resource_amount
@@ -170,6 +171,8 @@ def _volumes(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any
     if spec.model_claim:
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_claim, "readOnly": True}})
+    if component == "scheduler":
+        volumes += tls_volumes(spec)[0]
     return volumes
 
 
@@ -181,6 +184,8 @@ def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model_claim:
         mounts.append({"name": "model", "mountPath": spec.model, "readOnly": True})
+    if component == "scheduler":
+        mounts += tls_volumes(spec)[1]
     return mounts
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 from kube_emulator.schema import apply_defaults
+from pki import make_pki
 from tandem_operator.main import parser as operator_parser
 from tandem_operator.manifests import build_service, endpoint
 from tandem_operator.placement import Cell
@@ -336,6 +338,7 @@ def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["scheduler"]["env"] == [{"name": "TANDEM_MAX_NUM_SEQS", "value": "32"}]
     assert spec["image"]["pullSecrets"] == ["regcred"]
+    assert spec["tls"] == {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}
 
 
 def test_podmonitor_follows_watched_namespaces(helm: dict) -> None:
@@ -372,3 +375,44 @@ def test_notes_guide_the_user(helm: dict) -> None:
     traced = notes("tracing.jaeger.enabled=true", "podSecurity.labelNamespace=true")
     assert "WARNING" not in traced
     assert f"port-forward svc/{RELEASE}-jaeger 16686:16686" in traced
+
+
+def test_tls_reaches_the_operator_and_the_helm_test_speaks_it(helm: dict,
+                                                               tmp_path: Path) -> None:
+    """With service.tls the operator mounts the Secrets into the scheduler; the helm test
+    mounts the server Secret, and its health script, run for real against a mutual-TLS health
+    server, connects with the flags it is given (`generate` gets the same)."""
+    objects = render("helm4", ("ci/cells-values.yaml",))
+    spec, scheduler, _ = operator_view(objects)
+    assert (spec.tls.secret_name, spec.tls.client_ca_secret_name) == ("demo-tls", "tenants-ca")
+    assert {v["name"] for v in scheduler["spec"]["volumes"]} >= {"tls", "client-ca"}
+    pod = one(objects, "Pod", "test")["spec"]
+    assert {"name": "tls", "secret": {"secretName": "demo-tls", "defaultMode": 0o444}} in pod[
+        "volumes"]
+    (health,), (generate,) = pod["initContainers"], pod["containers"]
+    flags = ["--tls-ca", "/etc/tandem/tls/ca.crt", "--tls-cert", "/etc/tandem/tls/tls.crt",
+             "--tls-key", "/etc/tandem/tls/tls.key"]
+    assert health["command"][-6:] == flags and generate["args"][-7:-1] == flags
+    assert callable(build_parser().parse_args(generate["args"]).func)
+    with pytest.raises(RenderError, match="clientCASecretName needs"):
+        render("helm4", (), ('service.tls.clientCASecretName="ca"',))
+
+    pki = make_pki(tmp_path)
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = HealthServicer()
+    servicer.set("tandem.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(), require_client_auth=True))
+    server.start()
+    try:
+        local = [str(pki.ca), str(pki.client_cert), str(pki.client_key)]
+        args = [a for pair in zip(flags[::2], local, strict=True) for a in pair]
+        out = subprocess.run([sys.executable, "-c", health["command"][2],
+                              f"localhost:{port}", *args],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        server.stop(grace=None)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1].endswith("tandem.v1.Generation SERVING"), out.stdout

@@ -133,7 +133,10 @@ def test_cel_rules_are_known_and_mirrored_by_the_parser() -> None:
         "!self.device.startsWith('cuda') || self.gpu.count > 0",
         "self.workersPerCell % self.tensorParallelSize == 0",
         "!(self.port in [9400, 9401, 50061])",
+        "!has(self.clientCASecretName) || has(self.secretName)",
     ])
+    with pytest.raises(SpecError, match="clientCASecretName needs"):
+        tandem_spec({"tls": {"clientCASecretName": "ca"}})
     with pytest.raises(SpecError, match=r"scheduler\.port must not be"):
         tandem_spec({"scheduler": {"port": 50061}})
     assert set(RESERVED_PORTS) == {SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, HEALTH_PORT}

@@ -43,6 +43,7 @@ def every_manifest() -> list[dict[str, Any]]:
         "cells": 2, "model": {"path": "/models/m", "claimName": "weights"},
         "image": {"pullSecrets": ["ghcr"]},
         "tracing": {"endpoint": "otel-collector:4317"},
+        "tls": {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"},
         "worker": {"workersPerCell": 2, "tensorParallelSize": 2,
                    "env": [{"name": "TANDEM_KV_CACHE_SIZE", "value": "1Gi"}]},
         "placement": {"nodeSelector": {"pool": "gpu"},
@@ -52,7 +53,7 @@ def every_manifest() -> list[dict[str, Any]]:
                               "weight": 10, "podAffinityTerm": {
                                   "topologyKey": "kubernetes.io/hostname",
                                   "labelSelector": {"matchLabels": {"app": "db"}}}}]}}}})
-    template = build_pod_template(spec, CELL, "worker")
+    template = build_pod_template(spec, CELL, "scheduler")
     pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
            "metadata": {**template["metadata"], "name": "p", "namespace": "serving"}}
     cells = [CELL, Cell(0, "gpu-1", GI, GI, 1)]
@@ -280,3 +281,33 @@ def test_router_and_cleanup_containers_are_locked_down() -> None:
     ctx = rm["securityContext"]  # root: the cell directory lies in a root-owned 0755 one
     assert ctx["runAsUser"] == 0 and ctx["readOnlyRootFilesystem"] is True
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+
+
+def test_tls_secrets_are_mounted_into_the_scheduler_and_named_in_the_config() -> None:
+    spec = tandem_spec({"tls": {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}})
+    data = build_configmap(spec, CELL)["data"]
+    assert data["TANDEM_TLS_CERT"] == "/etc/tandem/tls/tls.crt"
+    assert data["TANDEM_TLS_KEY"] == "/etc/tandem/tls/tls.key"
+    assert data["TANDEM_TLS_CLIENT_CA"] == "/etc/tandem/client-ca/ca.crt"
+    assert data["TANDEM_HEALTH_LISTEN"] == "0.0.0.0:50061"
+    pod = build_pod_template(spec, CELL, "scheduler")["spec"]
+    assert {"name": "tls", "secret": {"secretName": "demo-tls", "defaultMode": 0o444}} in pod[
+        "volumes"]
+    assert {"name": "client-ca", "secret": {"secretName": "tenants-ca",
+                                            "defaultMode": 0o444}} in pod["volumes"]
+    [c] = pod["containers"]
+    assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "client-ca", "mountPath": "/etc/tandem/client-ca",
+            "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["grpc"]["port"] == 50061, "kubelet probes speak no TLS"
+    worker = build_pod_template(spec, CELL, "worker")["spec"]
+    assert not [v for v in worker["volumes"] if "secret" in v], "workers never see the key"
+
+
+def test_tls_only_with_a_secret_and_the_hash_rolls_when_it_is_turned_on() -> None:
+    plain, tls = tandem_spec({}), tandem_spec({"tls": {"secretName": "demo-tls"}})
+    assert not any(k.startswith("TANDEM_TLS") for k in cell_config(plain, CELL))
+    assert "TANDEM_TLS_CLIENT_CA" not in cell_config(tls, CELL)
+    assert config_hash(cell_config(plain, CELL)) != config_hash(cell_config(tls, CELL))
+    pod = build_pod_template(plain, CELL, "scheduler")["spec"]
+    assert not [v for v in pod["volumes"] if "secret" in v]
