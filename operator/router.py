@@ -15,12 +15,16 @@ from typing import Any
 
 from tandem_operator.manifests import (
     CONFIG_HASH,
+    HEALTH_PORT,
+    TLS_DIR,
     child_name,
     config_hash,
     labels,
     pod_dns,
     selector_labels,
     service_name,
+    tls_config,
+    tls_volumes,
     tracing_config,
 )
 from tandem_operator.placement import Cell
@@ -52,12 +56,26 @@ def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     return {
         "TANDEM_ROUTER_CELLS": ",".join(cell_address(spec, c.index) for c in cells),
         "TANDEM_LISTEN": f"0.0.0.0:{spec.scheduler.port}",
+        "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         "TANDEM_ROUTER_LOAD_FACTOR": str(spec.router.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-router",
         "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
                                      f"tandem.service={spec.name}"),
-    } | tracing_config(spec)
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
+
+
+def cell_tls_config(spec: TandemSpec) -> dict[str, str]:
+    """How the router reaches TLS cells: it trusts the CA of their certificate (the Secret's
+    `ca.crt`) and, when they ask for client certificates, presents that same certificate
+    (the cells' client CA must have signed it)."""
+    if not spec.tls.enabled:
+        return {}
+    data = {"TANDEM_ROUTER_CELL_TLS_CA": f"{TLS_DIR}/ca.crt"}
+    if spec.tls.client_ca_secret_name:
+        data |= {"TANDEM_ROUTER_CELL_TLS_CERT": f"{TLS_DIR}/tls.crt",
+                 "TANDEM_ROUTER_CELL_TLS_KEY": f"{TLS_DIR}/tls.key"}
+    return data
 
 
 def build_router_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
@@ -80,13 +98,14 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
         "image": spec.scheduler.image,
         "imagePullPolicy": spec.pull_policy,
         "command": ["tandem", "router"],
-        "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}],
+        "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"},
+                  {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
         "envFrom": [{"configMapRef": {"name": router_name(spec)}}],
         "env": [dict(SCRATCH_ENV)],
         "resources": resources,
-        "volumeMounts": [dict(SCRATCH_MOUNT)],
+        "volumeMounts": [dict(SCRATCH_MOUNT), *tls_volumes(spec)[1]],
         "securityContext": container_security(),
-        **probes(spec, spec.scheduler.port, READY_SERVICE),
+        **probes(spec, HEALTH_PORT, READY_SERVICE),
     }
 
 
@@ -97,7 +116,7 @@ def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
         "containers": [_container(spec)],
-        "volumes": [scratch_volume()],
+        "volumes": [scratch_volume(), *tls_volumes(spec)[0]],
     }
     if spec.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]

@@ -67,12 +67,16 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "16")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+    _add_tls_serving_flags(p)
+    _add_health_listen(p)
+
+
+def _add_tls_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=_env("TLS_CERT", ""),
                    help="PEM certificate chain: the public port speaks TLS")
     p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", ""),
                    help="PEM CA bundle: clients must present a certificate it signed (mTLS)")
-    _add_health_listen(p)
 
 
 def _add_health_listen(p: argparse.ArgumentParser) -> None:
@@ -257,7 +261,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         asyncio.run(serve(RouterConfig(
             cells=cells, listen=args.listen, load_factor=args.load_factor,
             block_size=args.block_size, health_interval=args.health_interval,
-            metrics_port=args.metrics_port)))
+            metrics_port=args.metrics_port, health_listen=args.health_listen,
+            tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
+            cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca))))
     finally:
         _shutdown_tracing()
     return 0
@@ -348,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="Prometheus /metrics port (0 = off)")
+    _add_tls_serving_flags(p)
+    _add_health_listen(p)
+    p.add_argument("--cell-tls-ca", default=_env("ROUTER_CELL_TLS_CA", ""),
+                   help="PEM CA bundle of the cells' certificates: connect to them with TLS")
+    p.add_argument("--cell-tls-cert", default=_env("ROUTER_CELL_TLS_CERT", ""),
+                   help="PEM client certificate presented to cells that ask for mutual TLS")
+    p.add_argument("--cell-tls-key", default=_env("ROUTER_CELL_TLS_KEY", ""),
+                   help="PEM private key of --cell-tls-cert")
     _add_tracing_flags(p)
 
     p = add("traces", cmd_traces, "show the last requests of a trace file as span trees")

@@ -26,6 +26,11 @@ def spec3(patch: dict[str, Any] | None = None):
     return tandem_spec({"cells": 3, "tracing": {"endpoint": "otel:4317"}, **(patch or {})})
 
 
+def cm_of(spec: Any) -> dict[str, str]:
+    data: dict[str, str] = build_router_configmap(spec, CELLS)["data"]
+    return data
+
+
 def test_the_router_lists_every_recorded_cell_by_its_schedulers_dns_name() -> None:
     spec = spec3()
     cm = build_router_configmap(spec, CELLS)
@@ -53,8 +58,10 @@ def test_router_deployment_runs_tandem_router_and_is_probed() -> None:
     assert c["command"] == ["tandem", "router"]
     assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0"
     assert c["envFrom"] == [{"configMapRef": {"name": "demo-router"}}]
-    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
-    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.Generation"}
+    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "health", "containerPort": 50061, "protocol": "TCP"}]
+    assert c["readinessProbe"]["grpc"] == {"port": 50061, "service": "tandem.v1.Generation"}
+    assert cm_of(spec)["TANDEM_HEALTH_LISTEN"] == "0.0.0.0:50061", "health only, plaintext"
     assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"},
                               "limits": {"memory": "512Mi"}}
     assert pod["spec"]["imagePullSecrets"] == [{"name": "ghcr"}]
@@ -100,3 +107,22 @@ def test_the_front_the_operator_converges_to() -> None:
     assert Front.wanted(spec3(), cells) == Front(True, (0, 1))
     assert Front.wanted(tandem_spec({"cells": 1}), cells[:1]) == Front(False, ())
     assert Front.wanted(spec3({"router": {"enabled": False}}), cells) == Front(False, ())
+
+
+def test_a_tls_router_serves_with_the_secret_and_presents_it_to_mutual_tls_cells() -> None:
+    spec = spec3({"tls": {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}})
+    data = cm_of(spec)
+    assert data["TANDEM_TLS_CERT"] == "/etc/tandem/tls/tls.crt"
+    assert data["TANDEM_TLS_KEY"] == "/etc/tandem/tls/tls.key"
+    assert data["TANDEM_TLS_CLIENT_CA"] == "/etc/tandem/client-ca/ca.crt"
+    assert data["TANDEM_ROUTER_CELL_TLS_CA"] == "/etc/tandem/tls/ca.crt"
+    assert data["TANDEM_ROUTER_CELL_TLS_CERT"] == "/etc/tandem/tls/tls.crt"
+    assert data["TANDEM_ROUTER_CELL_TLS_KEY"] == "/etc/tandem/tls/tls.key"
+    pod = build_router_deployment(spec, CELLS)["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "tls", "client-ca"]
+    [c] = pod["containers"]
+    assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in c["volumeMounts"]
+    server_only = cm_of(spec3({"tls": {"secretName": "demo-tls"}}))
+    assert "TANDEM_ROUTER_CELL_TLS_CERT" not in server_only
+    assert "TANDEM_TLS_CLIENT_CA" not in server_only
+    assert not any("TLS" in k for k in cm_of(spec3()))

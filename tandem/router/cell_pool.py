@@ -41,16 +41,20 @@ CHANNEL_OPTIONS = [
 class CellPool:
     """Channels and stubs per cell, plus the health poller that feeds the balancer.
 
-    ``on_change`` runs (in the event loop) whenever some cell goes up or down.
+    ``on_change`` runs (in the event loop) whenever some cell goes up or down;
+    ``credentials`` (None = plaintext) are used toward every cell.
     """
 
     def __init__(self, balancer: Balancer, interval: float = 1.0,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.balancer = balancer
         self.interval = interval
         self.on_change = on_change
-        self._channels = {cell: grpc.aio.insecure_channel(cell, options=CHANNEL_OPTIONS)
-                          for cell in balancer.cells}
+        self._channels = {
+            cell: (grpc.aio.secure_channel(cell, credentials, options=CHANNEL_OPTIONS)
+                   if credentials else grpc.aio.insecure_channel(cell, options=CHANNEL_OPTIONS))
+            for cell in balancer.cells}
         self.stubs = {cell: generate_pb2_grpc.GenerationStub(ch)
                       for cell, ch in self._channels.items()}
         self._health = {cell: health_pb2_grpc.HealthStub(ch)

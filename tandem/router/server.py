@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,11 +15,13 @@ from prometheus_client import CollectorRegistry
 
 from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
+from tandem.health_port import HealthPort
 from tandem.metrics import MetricsEndpoint
 from tandem.router.balancer import Balancer
 from tandem.router.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
 from tandem.router.metrics import BalancerCollector
 from tandem.router.servicer import RouterServicer
+from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,10 @@ class RouterConfig:
     """Settings of ``tandem router`` (flags and TANDEM_* variables in docs/configuration.md).
 
     ``block_size`` must equal the cells' KV block size, so that a text prompt's key covers
-    exactly the first block the cells cache.
+    exactly the first block the cells cache. ``tls`` serves the public port (``ca`` = the
+    client CA: mutual TLS), as the scheduler's does; ``cell_tls`` are the client credentials
+    toward the cells (``ca`` = the CA of their certificates; ``cert`` + ``key`` when they
+    ask for mutual TLS); all empty = plaintext.
     """
 
     cells: tuple[str, ...]
@@ -41,6 +46,9 @@ class RouterConfig:
     block_size: int = 16
     health_interval: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    cell_tls: TlsFiles = field(default_factory=TlsFiles)
+    health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
 
 
 @dataclass
@@ -50,6 +58,7 @@ class RouterServer:
     pool: CellPool
     health: health.aio.HealthServicer
     metrics: MetricsEndpoint | None = None
+    probes: HealthPort | None = None
 
     @property
     def balancer(self) -> Balancer:
@@ -61,13 +70,18 @@ class RouterServer:
         polling and close the cell channels."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.probes is not None:
+            await self.probes.stop()
         await self.pool.close()
         if self.metrics is not None:
             await self.metrics.close()
 
 
 async def create_router(config: RouterConfig) -> RouterServer:
-    """Start serving; returns after one round of cell health checks."""
+    """Start serving; returns after one round of cell health checks. Bad TLS files raise
+    TlsConfigError before anything starts."""
+    credentials = server_credentials(config.tls)
+    cell_credentials = channel_credentials(config.cell_tls) if config.cell_tls.enabled else None
     health_servicer = health.aio.HealthServicer()
     balancer = Balancer(config.cells, config.load_factor)
 
@@ -79,7 +93,7 @@ async def create_router(config: RouterConfig) -> RouterServer:
     def on_change() -> None:
         asyncio.get_running_loop().create_task(publish())
 
-    pool = CellPool(balancer, config.health_interval, on_change)
+    pool = CellPool(balancer, config.health_interval, on_change, cell_credentials)
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
     if tracing.enabled():  # route spans then join the server span of the client's trace
         interceptors.insert(0, tracing.ServerSpanInterceptor([SERVICE_NAME]))
@@ -95,8 +109,10 @@ async def create_router(config: RouterConfig) -> RouterServer:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await publish()
-    port = server.add_insecure_port(config.listen)
+    port = (server.add_secure_port(config.listen, credentials) if credentials
+            else server.add_insecure_port(config.listen))
     await server.start()
+    probes = await HealthPort.start(health_servicer, config.health_listen)
     await pool.start()
     await publish()
     metrics = None
@@ -104,9 +120,11 @@ async def create_router(config: RouterConfig) -> RouterServer:
         registry = CollectorRegistry()
         registry.register(BalancerCollector(balancer))
         metrics = await MetricsEndpoint.start(registry, config.metrics_port)
-    log.info("router serving %s on port %d over %d cells (%d up), load factor %.2f",
-             SERVICE_NAME, port, len(config.cells), len(balancer.healthy), config.load_factor)
-    return RouterServer(server, port, pool, health_servicer, metrics)
+    tls = "mutual TLS" if config.tls.ca else "TLS" if credentials else "plaintext"
+    log.info("router serving %s on port %d, %s, over %d cells (%d up%s), load factor %.2f",
+             SERVICE_NAME, port, tls, len(config.cells), len(balancer.healthy),
+             ", TLS" if cell_credentials else "", config.load_factor)
+    return RouterServer(server, port, pool, health_servicer, metrics, probes)
 
 
 async def serve(config: RouterConfig) -> None:
