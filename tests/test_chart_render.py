@@ -339,6 +339,8 @@ def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     assert spec["scheduler"]["env"] == [{"name": "TANDEM_MAX_NUM_SEQS", "value": "32"}]
     assert spec["image"]["pullSecrets"] == ["regcred"]
     assert spec["tls"] == {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}
+    assert spec["worker"]["tensorParallelSize"] == 2
+    assert (spec["router"]["replicas"], spec["router"]["loadFactor"]) == (2, 1.5)
 
 
 def test_podmonitor_follows_watched_namespaces(helm: dict) -> None:

@@ -60,7 +60,7 @@ def _digits_bumped(text: str) -> list[str]:
 def candidates(value: Any) -> list[Any]:
     if isinstance(value, bool):
         return [not value]
-    if isinstance(value, int):
+    if isinstance(value, int | float):
         return [value + 1, value - 1]
     if isinstance(value, str):
         enums = [e for s in _all_enums() for e in s if value in s and e != value]
@@ -139,6 +139,8 @@ BAD_VALUES = [
     "operator.resources={\"requests\":{\"cpu\":\"lots\"}}",
     "unknownTopLevel=true",
     "service.featureCache.sise=\"4Gi\"",
+    "service.worker.tensorParallelSize=3",
+    "service.router.loadFactor=0.5",
 ]
 
 
