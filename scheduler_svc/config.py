@@ -45,3 +45,13 @@ class SchedulerConfig:
     @property
     def num_workers(self) -> int:
         return len(self.worker_addresses)
+
+    def check_image_budget(self, factor: int) -> None:
+        """The largest image (``factor`` pixels per merged-patch side) must fit one step's
+        encoder budget and the encoder cache, or a request carrying it would never run."""
+        largest = self.max_pixels // factor**2
+        if largest > min(self.encoder_cache_embeds, self.max_num_batched_tokens):
+            raise ValueError(
+                f"--max-pixels {self.max_pixels} allows images of {largest} tokens, more than "
+                f"--encoder-cache-size {self.encoder_cache_embeds} or --max-num-batched-tokens "
+                f"{self.max_num_batched_tokens}: raise those or lower --max-pixels")

@@ -91,6 +91,7 @@ class Engine:
             patch_size=self.model.patch_size, merge_size=self.model.merge_size,
             min_pixels=c.min_pixels, max_pixels=c.max_pixels,
             max_image_bytes=c.limits.max_image_bytes, max_image_pixels=c.limits.max_image_pixels)
+        c.check_image_budget(images.factor)
         max_tokens = min(self.model.num_kv_blocks * c.block_size, self.model.max_seq_len)
         self.inputs = InputProcessor(c.limits, images, max_tokens)
         self._task = asyncio.create_task(self._run(), name="engine-loop")

@@ -67,8 +67,36 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "16")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+    p.add_argument("--encoder-cache-size", type=int,
+                   default=int(_env("ENCODER_CACHE_SIZE", "4096")),
+                   help="image embeddings the workers keep encoded (must hold the largest image)")
+    p.add_argument("--min-pixels", type=int, default=int(_env("MIN_PIXELS", str(56 * 56))),
+                   help="images are resized to at least this many pixels")
+    p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", str(448 * 448))),
+                   help="... and at most this many (256 image tokens at the default)")
+    p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", "60")),
+                   help="seconds a worker may take for one step before it counts as lost")
+    _add_limit_flags(p)
     _add_tls_serving_flags(p)
     _add_health_listen(p)
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Per-request limits: a request over any of them gets INVALID_ARGUMENT."""
+    p.add_argument("--max-prompt-tokens", type=int, default=int(_env("MAX_PROMPT_TOKENS", "4096")),
+                   help="prompt tokens with image placeholders expanded")
+    p.add_argument("--max-images", type=int, default=int(_env("MAX_IMAGES", "8")),
+                   help="images per request")
+    p.add_argument("--max-image-bytes", type=parse_size, default=_env("MAX_IMAGE_BYTES", "20Mi"),
+                   help="encoded size of one image")
+    p.add_argument("--max-image-pixels", type=int,
+                   default=int(_env("MAX_IMAGE_PIXELS", str(4096 * 4096))),
+                   help="decoded pixels of one image, checked from its header")
+    p.add_argument("--max-tokens-limit", type=int, default=int(_env("MAX_TOKENS_LIMIT", "1024")),
+                   help="the largest max_tokens a client may ask for")
+    p.add_argument("--default-max-tokens", type=int,
+                   default=int(_env("DEFAULT_MAX_TOKENS", "64")),
+                   help="max_tokens of a request that sets none")
 
 
 def _add_tls_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -95,8 +123,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.config import Limits, SchedulerConfig
 
+    limits = Limits(
+        max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
+        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
     return SchedulerConfig(
         model=args.model, listen=args.listen, shm_dir=args.shm_dir, mm_cache=args.mm_cache,
         mm_cache_size=args.mm_cache_size, mm_cache_max_object_size=args.mm_cache_max_object_size,
@@ -104,7 +136,9 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         block_size=args.block_size, worker_addresses=tuple(addresses),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         metrics_port=args.metrics_port, health_listen=args.health_listen,
-        tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca))
+        tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
+        encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels, step_timeout_s=args.step_timeout, limits=limits)
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",

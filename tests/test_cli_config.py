@@ -1,0 +1,37 @@
+"""Flags and TANDEM_* variables reach the scheduler's configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import SchedulerConfig
+from tandem.cli import _scheduler_config, build_parser
+
+
+def test_limit_flags_reach_the_scheduler_config() -> None:
+    args = build_parser().parse_args([
+        "scheduler", "--max-images", "2", "--max-image-bytes", "1Mi", "--max-prompt-tokens",
+        "100", "--max-tokens-limit", "50", "--default-max-tokens", "7", "--min-pixels", "1000",
+        "--max-pixels", "9000", "--encoder-cache-size", "99", "--step-timeout", "3.5"])
+    c = _scheduler_config(args, ["unix:///tmp/w.sock"])
+    assert (c.limits.max_images, c.limits.max_image_bytes, c.limits.max_prompt_tokens) == (
+        2, 2**20, 100)
+    assert (c.limits.max_tokens, c.limits.default_max_tokens) == (50, 7)
+    assert (c.min_pixels, c.max_pixels, c.encoder_cache_embeds, c.step_timeout_s) == (
+        1000, 9000, 99, 3.5)
+
+
+def test_environment_sets_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_MAX_IMAGES", "3")
+    monkeypatch.setenv("TANDEM_MM_CACHE", "lru")
+    monkeypatch.setenv("TANDEM_ENABLE_PREFIX_CACHING", "false")
+    c = _scheduler_config(build_parser().parse_args(["scheduler"]), ["unix:///tmp/w.sock"])
+    assert (c.limits.max_images, c.mm_cache, c.enable_prefix_caching) == (3, "lru", False)
+    flag = build_parser().parse_args(["scheduler", "--max-images", "5"])
+    assert _scheduler_config(flag, ["unix:///tmp/w.sock"]).limits.max_images == 5
+
+
+def test_images_larger_than_the_encoder_budget_are_refused_at_start() -> None:
+    SchedulerConfig().check_image_budget(28)  # defaults: 256-token images fit
+    with pytest.raises(ValueError, match="--max-pixels 1000000 allows images of 1275 tokens"):
+        SchedulerConfig(max_pixels=1_000_000).check_image_budget(28)
