@@ -160,9 +160,14 @@ def item_to_parts(item: MultiModalKwargsItem) -> list[bytes | memoryview]:
 
 
 def item_from_buffer(
-    buf: memoryview | bytes, only_keep_on_cpu: bool = False
+    buf: memoryview | bytes, only_keep_on_cpu: bool = False, device: torch.device | None = None
 ) -> MultiModalKwargsItem:
-    """Decode an SHM object into private tensors (one copy each; the buffer may go away)."""
+    """Decode an SHM object into private tensors (one copy each; the buffer may go away).
+
+    Fields not marked ``keep_on_cpu`` are copied straight to ``device`` when it is an
+    accelerator, so the segment's bytes are copied once on every device.
+    """
+    target = device if device is not None and device.type != "cpu" else None
     (hlen,) = _LEN.unpack_from(buf, 0)
     if _LEN.size + hlen > len(buf):
         raise InvalidInput("corrupt feature object: header exceeds the object")
@@ -174,8 +179,10 @@ def item_from_buffer(
         if f["offset"] + f["nbytes"] > len(buf):
             raise InvalidInput(f"corrupt feature object: field {f['name']!r} out of range")
         body = buf[f["offset"] : f["offset"] + f["nbytes"]]
-        item[f["name"]] = FieldElem(tensor_from_buffer(body, f["dtype"], f["shape"]).clone(),
-                                    f["keep_on_cpu"])
+        view = tensor_from_buffer(body, f["dtype"], f["shape"])
+        copied = (view.clone() if target is None or f["keep_on_cpu"]
+                  else view.to(target, copy=True))
+        item[f["name"]] = FieldElem(copied, f["keep_on_cpu"])
     return item
 
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from tandem.errors import FailedPrecondition
 from tandem.feature_codec import item_from_buffer
 from tandem.features import MultiModalFeatureSpec
@@ -35,9 +37,11 @@ class ResolvedFeatures:
 class ShmReceiverCache:
     """Attaches to the cell's segment lazily and again whenever the writer re-creates it."""
 
-    def __init__(self, shm_dir: str | Path, slot: int) -> None:
+    def __init__(self, shm_dir: str | Path, slot: int,
+                 device: torch.device | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.slot = slot
+        self.device = device  # where the encoder reads pixels: copied there straight away
         self._reader: ShmReader | None = None
         self._name = ""
 
@@ -87,7 +91,7 @@ class ShmReceiverCache:
             with reader.peek(f.data, pending[f.data.address]) as buf:
                 item = None
                 if not covered or uses_mrope:  # M-RoPE needs the grid even when covered
-                    item = item_from_buffer(buf, only_keep_on_cpu=covered)
+                    item = item_from_buffer(buf, only_keep_on_cpu=covered, device=self.device)
             resolved += not covered
             pending[f.data.address] += f.data.refs
             to_ack.append(f.data)

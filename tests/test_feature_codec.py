@@ -86,3 +86,13 @@ def test_tensor_proto_round_trip_keeps_dtype_and_shape() -> None:
     t = torch.arange(24, dtype=torch.int64).reshape(2, 3, 4)
     back = tensor_from_proto(tensor_to_proto(t))
     assert back.dtype == torch.int64 and torch.equal(back, t)
+
+
+def test_decoding_to_an_accelerator_copies_tensors_there_and_keeps_cpu_fields() -> None:
+    # "meta" stands in for an accelerator: any non-CPU device gets the one copy directly.
+    buf = b"".join(bytes(p) for p in item_to_parts(_item()))
+    item = item_from_buffer(memoryview(buf), device=torch.device("meta"))
+    assert item["pixel_values"].data.device.type == "meta"
+    assert item["pixel_values"].data.shape == (16, 588)
+    assert item["image_grid_thw"].data.device.type == "cpu"
+    assert torch.equal(item["image_grid_thw"].data, torch.tensor([[1, 4, 4]]))
