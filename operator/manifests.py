@@ -103,10 +103,22 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         **tensor_parallel_config(spec, cell.index),
         **tls_config(spec),
-        "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
-                                     f"tandem.service={spec.name},tandem.cell={cell.index}"),
     }
     return data | tracing_config(spec)
+
+
+def resource_env(spec: TandemSpec, cell: int | None = None) -> list[dict[str, Any]]:
+    """OTEL_RESOURCE_ATTRIBUTES of a container: its pod and node come from the Downward API,
+    so they are container env (``$(VAR)`` expands only there), not config."""
+    attributes = (f"k8s.namespace.name={spec.namespace},k8s.pod.name=$(K8S_POD_NAME),"
+                  f"k8s.node.name=$(K8S_NODE_NAME),tandem.service={spec.name}")
+    if cell is not None:
+        attributes += f",tandem.cell={cell}"
+    return [
+        {"name": "K8S_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "K8S_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
+    ]
 
 
 def tracing_config(spec: TandemSpec) -> dict[str, str]:

@@ -21,6 +21,7 @@ from tandem_operator.manifests import (
     config_hash,
     labels,
     pod_dns,
+    resource_env,
     selector_labels,
     service_name,
     tls_config,
@@ -60,8 +61,6 @@ def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
         "TANDEM_ROUTER_LOAD_FACTOR": str(spec.router.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-router",
-        "OTEL_RESOURCE_ATTRIBUTES": (f"k8s.namespace.name={spec.namespace},"
-                                     f"tandem.service={spec.name}"),
     } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
 
 
@@ -101,7 +100,7 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
         "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"},
                   {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
         "envFrom": [{"configMapRef": {"name": router_name(spec)}}],
-        "env": [dict(SCRATCH_ENV)],
+        "env": [dict(SCRATCH_ENV), *resource_env(spec)],
         "resources": resources,
         "volumeMounts": [dict(SCRATCH_MOUNT), *tls_volumes(spec)[1]],
         "securityContext": container_security(),

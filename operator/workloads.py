@@ -27,6 +27,7 @@ from tandem_operator.manifests import (
     config_hash,
     generation_dir,
     labels,
+    resource_env,
     selector_labels,
     service_name,
     tls_volumes,
@@ -211,7 +212,8 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     ports += [{"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
               {"name": "metrics", "containerPort": metrics, "protocol": "TCP"}]
     env += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
-            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}, dict(SCRATCH_ENV)]
+            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}, dict(SCRATCH_ENV),
+            *resource_env(spec, cell.index)]
     env += [{"name": k, "value": v} for k, v in user_env]
     return {
         "name": component,

@@ -92,7 +92,6 @@ def test_configmap_carries_the_cell_settings() -> None:
                                    "unix:///var/run/tandem/worker-1.sock",
         "TANDEM_DEVICE": "auto",
         "TANDEM_HEALTH_LISTEN": "0.0.0.0:50061",
-        "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=serving,tandem.service=demo,tandem.cell=1",
     }
     assert cm["metadata"]["annotations"]["tandem.dev/config-hash"] == config_hash(cm["data"])
 
@@ -102,6 +101,27 @@ def test_tracing_settings_only_when_an_endpoint_is_set() -> None:
     assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "c:4317"
     assert data["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
     assert data["OTEL_TRACES_SAMPLER_ARG"] == "1"
+
+
+@pytest.mark.parametrize("component", ["scheduler", "worker", "router"])
+def test_resource_attributes_name_pod_node_and_cell_through_the_downward_api(
+        component: str) -> None:
+    spec = tandem_spec({})
+    if component == "router":
+        pod = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    else:
+        pod = build_pod_template(spec, CELL, component)["spec"]
+    env = pod["containers"][0]["env"]
+    names = [e["name"] for e in env]
+    attrs = env[names.index("OTEL_RESOURCE_ATTRIBUTES")]["value"]
+    # $(VAR) expands only from variables defined earlier in the list.
+    assert names.index("K8S_POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert names.index("K8S_NODE_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert env[names.index("K8S_NODE_NAME")]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "spec.nodeName")
+    assert "k8s.pod.name=$(K8S_POD_NAME)" in attrs and "k8s.node.name=$(K8S_NODE_NAME)" in attrs
+    assert f"k8s.namespace.name={spec.namespace}" in attrs
+    assert (f"tandem.cell={CELL.index}" in attrs) == (component != "router")
 
 
 def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
