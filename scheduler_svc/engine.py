@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -23,7 +23,12 @@ from scheduler_svc.input_processor import InputProcessor
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, StepOutput
 from scheduler_svc.request_telemetry import RequestTrace, step_trace_context
-from scheduler_svc.scheduler import Scheduler, SchedulerCounters, SchedulerLimits
+from scheduler_svc.scheduler import (
+    Scheduler,
+    SchedulerCounters,
+    SchedulerLimits,
+    SchedulerOutput,
+)
 from scheduler_svc.step_message import build_step_request, mark_delivered
 from scheduler_svc.worker_client import StepFailed, WorkerPool
 from tandem import tracing
@@ -31,7 +36,7 @@ from tandem.errors import InvalidInput, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.shm import ShmDescriptor
-from tandem.v1 import generate_pb2
+from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +192,7 @@ class Engine:
                 continue
             await self._step(out)
 
-    async def _step(self, out) -> None:
+    async def _step(self, out: SchedulerOutput) -> None:
         assert self.scheduler is not None and self.model is not None
         self._step_id += 1
         segment, generation = self._segment()
@@ -310,7 +315,7 @@ class Engine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _model_info(describes) -> ModelInfo:
+def _model_info(describes: Sequence[worker_pb2.DescribeResponse]) -> ModelInfo:
     first = describes[0]
     cfg = json.loads(first.model_config_json)
     ranks = sorted(d.rank for d in describes)
