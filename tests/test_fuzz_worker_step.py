@@ -10,7 +10,6 @@ descriptors are still unacknowledged and a well-formed step consumes them exactl
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from workers import running_worker
 
 from tandem.errors import error_info
 from tandem.feature_codec import descriptor_to_proto, item_to_parts
@@ -28,7 +28,6 @@ from tandem.shm import ShmDescriptor, ShmWriter
 from tandem.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
-from worker_svc.server import serve
 from worker_svc.step import NewRequestData, SamplingParams, StepInput
 from worker_svc.step_codec import step_to_proto
 from worker_svc.synthetic import synthetic_image, synthetic_prompt
@@ -56,31 +55,14 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     shm_dir = tmp_path_factory.mktemp("fuzz-shm")
     config = WorkerConfig(shm_dir=str(shm_dir), model="tiny", block_size=BLOCK_SIZE,
                           kv_cache_bytes=2 << 20)
-    proc = multiprocessing.get_context("spawn").Process(target=serve, args=(config,))
-    proc.start()
     writer = ShmWriter(shm_dir / SEGMENT, CAPACITY, n_readers=1, max_object_size=CAPACITY)
     try:
-        with grpc.insecure_channel(f"unix://{config.socket_path}") as channel:
+        with running_worker(config) as (_, channel):
             health = health_pb2_grpc.HealthStub(channel)
-            _wait_serving(health)
             live = [writer.put(key, item_to_parts(item)) for key, item in IMAGES]
             yield Target(worker_pb2_grpc.WorkerStub(channel), health, writer, live)
     finally:
         writer.close()
-        proc.terminate()
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-
-
-def _wait_serving(health: health_pb2_grpc.HealthStub, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        resp = health.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=timeout)
-        if resp.status == health_pb2.HealthCheckResponse.SERVING:
-            return
-        time.sleep(0.05)
-    raise TimeoutError("worker did not become SERVING")
 
 
 def _is_live(a: worker_pb2.ShmAddress, live: list[ShmDescriptor]) -> bool:

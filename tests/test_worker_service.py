@@ -9,8 +9,6 @@ status and the worker keeps serving; SIGTERM stops it cleanly.
 
 from __future__ import annotations
 
-import multiprocessing
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from workers import running_worker
 
 from tandem.errors import error_info
 from tandem.feature_codec import item_to_parts
@@ -26,7 +24,6 @@ from tandem.shm import ShmWriter
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
-from worker_svc.server import serve
 from worker_svc.step import (
     CachedRequestData,
     NewRequestData,
@@ -58,29 +55,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory,
     shm_dir = tmp_path_factory.mktemp("shm")
     config = WorkerConfig(shm_dir=str(shm_dir), model="tiny-mrope", block_size=BLOCK_SIZE,
                           kv_cache_bytes=4 << 20)
-    proc = multiprocessing.get_context("spawn").Process(target=serve, args=(config,))
-    proc.start()
-    try:
-        with grpc.insecure_channel(f"unix://{config.socket_path}") as channel:
-            _wait_serving(channel)
-            yield config, proc, worker_pb2_grpc.WorkerStub(channel)
-    finally:
-        if proc.is_alive():
-            proc.terminate()
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-
-
-def _wait_serving(channel: grpc.Channel, timeout: float = 60.0) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        resp = stub.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=timeout)
-        if resp.status == health_pb2.HealthCheckResponse.SERVING:
-            return
-        time.sleep(0.05)
-    raise TimeoutError("worker did not become SERVING")
+    with running_worker(config) as (proc, channel):
+        yield config, proc, worker_pb2_grpc.WorkerStub(channel)
 
 
 def _step_fn(stub: worker_pb2_grpc.WorkerStub) -> Callable[[StepInput], StepOutput]:
