@@ -144,3 +144,24 @@ def test_cold_cached_and_chunked_match_reference(setup) -> None:
     assert ids == ref_ids
     torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert not runner.requests and not runner.encoder_cache.entries, "all state released"
+
+
+def test_requests_stepped_together_match_each_alone(setup) -> None:
+    """Decodes of different context lengths share one padded attention call, next to a
+    prefill chunk of another request: every request still gets its own tokens."""
+    model, tokens, features, (ref_ids, _) = setup
+    short = tokens[:7]  # BOS + "Look: ": text only, a much shorter context
+
+    def requests() -> list[ScriptedRequest]:
+        return [ScriptedRequest("full", tokens, features, MAX_NEW),
+                ScriptedRequest("short", short, [], MAX_NEW + 3),
+                ScriptedRequest("chunked", tokens, features, MAX_NEW, chunk_size=5)]
+
+    alone = []
+    for req in requests():
+        ScriptedScheduler(BLOCK_SIZE).run(StepRunner(model, receiver=None).step, [req])
+        alone.append(req.output)
+    together = requests()
+    ScriptedScheduler(BLOCK_SIZE).run(StepRunner(model, receiver=None).step, together)
+    assert [r.output for r in together] == alone
+    assert together[0].output == together[2].output == ref_ids

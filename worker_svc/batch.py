@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from worker_svc.encoder_cache import EncoderCache
-from worker_svc.model import ModelInputs, SequenceSlice
+from worker_svc.model import DecodeBatch, ModelInputs, SequenceSlice
 from worker_svc.request_state import RequestState
 
 
@@ -38,6 +38,8 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
     tokens: list[int] = []
     positions, slots, mm_index, mm_embeds = [], [], [], []
     seqs, logits_index, sampling = [], [], []
+    decode_rows: list[int] = []
+    decode_kv: list[Tensor] = []
     for state, n in scheduled:
         c, q_start = state.num_computed_tokens, len(tokens)
         tokens.extend(state.token_ids[c:c + n])
@@ -50,11 +52,15 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
                                                        hi - f.mm_position.offset]
                 mm_embeds.append(rows)
                 mm_index.append(torch.arange(q_start + lo - c, q_start + hi - c))
-        seqs.append(SequenceSlice(
-            q_start=q_start, q_end=q_start + n,
-            kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
-            mask=_causal_mask(c, n, device),
-        ))
+        if n == 1:
+            decode_rows.append(q_start)
+            decode_kv.append(state.slots(0, c + 1, block_size))
+        else:
+            seqs.append(SequenceSlice(
+                q_start=q_start, q_end=q_start + n,
+                kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
+                mask=_causal_mask(c, n, device),
+            ))
         if c + n == state.num_tokens:
             logits_index.append(q_start + n - 1)
             sampling.append(state)
@@ -64,6 +70,7 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
         positions=torch.cat(positions, dim=1).to(device, non_blocking=True),
         slot_mapping=torch.cat(slots).to(device, non_blocking=True),
         seqs=seqs,
+        decode=_decode_batch(decode_rows, decode_kv, device),
         mm_index=(torch.cat(mm_index) if mm_index else torch.empty(0, dtype=torch.int64)).to(
             device, non_blocking=True),
         mm_embeds=(torch.cat(mm_embeds) if mm_embeds
@@ -71,6 +78,21 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
         logits_index=torch.tensor(logits_index, dtype=torch.int64).to(device, non_blocking=True),
     )
     return StepBatch(inputs, sampling)
+
+
+def _decode_batch(rows: list[int], contexts: list[Tensor],
+                  device: torch.device) -> DecodeBatch | None:
+    """Single-token sequences, their contexts padded to the longest (pad slot 0, masked)."""
+    if not rows:
+        return None
+    lengths = torch.tensor([len(c) for c in contexts])
+    kv_index = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, S)
+    mask = torch.arange(kv_index.shape[1])[None, :] < lengths[:, None]  # (B, S)
+    return DecodeBatch(
+        rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+        kv_index=kv_index.to(device, non_blocking=True),
+        mask=mask[:, None, None, :].to(device, non_blocking=True),  # (B, 1, 1, S)
+    )
 
 
 def _causal_mask(num_computed: int, n: int, device: torch.device) -> Tensor | None:

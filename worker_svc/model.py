@@ -8,11 +8,13 @@ vision tower in ``vision.py``), weights on disk in ``checkpoint.py``; ``tensor_p
 rewrites a built model into one rank's shard (per-layer head counts, hooks), not this file.
 
 A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
-the whole step at once, and only attention goes sequence by sequence, reading each
-sequence's context through its block table. NOTE: padding the batch to (B, max_q) instead
-was rejected: a step mixing one prefill chunk with decodes would pad every decode to the
-chunk's length. For the same reason prefill and decode share one ``forward`` (the unit a
-compiler would take) instead of two top-level functions: chunked prefill mixes them.
+the whole step at once, and only attention is split: each multi-token sequence (a prefill
+chunk) attends on its own, and all single-token sequences (decodes) attend together in one
+call over their contexts padded to the longest, each read through its block table.
+NOTE: padding the whole batch to (B, max_q) was rejected: a step mixing one prefill chunk
+with decodes would pad every decode to the chunk's length. For the same reason prefill and
+decode share one ``forward`` (the unit a compiler would take) instead of two top-level
+functions: chunked prefill mixes them.
 """
 
 from __future__ import annotations
@@ -45,13 +47,23 @@ class SequenceSlice:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """All single-token sequences of a step, attended in one call."""
+
+    rows: Tensor  # (B,) rows of the step's flat layout holding the queries
+    kv_index: Tensor  # (B, S) cache slots of each context, padded to the longest S
+    mask: Tensor  # (B, 1, 1, S) bool, True = a real key of that sequence
+
+
+@dataclass(frozen=True)
 class ModelInputs:
     """One step, flattened: T tokens of one or more sequences, back to back in ``seqs`` order."""
 
     tokens: Tensor  # (T,) int64
     positions: Tensor  # (3, T) int64: (t, h, w) components; equal rows under plain RoPE
     slot_mapping: Tensor  # (T,) cache slot (block * block_size + offset) each token writes
-    seqs: list[SequenceSlice]  # contiguous, in order, covering 0..T
+    seqs: list[SequenceSlice]  # the multi-token sequences
+    decode: DecodeBatch | None  # the single-token ones (seqs and decode.rows cover 0..T)
     mm_index: Tensor  # (M,) rows of ``tokens`` whose embedding is an image embedding
     mm_embeds: Tensor  # (M, dim) those embeddings
     logits_index: Tensor  # (R,) rows whose next-token logits are returned
@@ -176,7 +188,11 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), rot)  # (T, Hkv, D)
         v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         self.kv_cache.update(inputs.slot_mapping, k, v)
-        out = torch.cat([self._attend(q[s.q_start:s.q_end], s) for s in inputs.seqs])
+        out = torch.empty_like(q)  # (T, H, D)
+        for s in inputs.seqs:
+            out[s.q_start:s.q_end] = self._attend(q[s.q_start:s.q_end], s)
+        if inputs.decode is not None:
+            out[inputs.decode.rows] = self._attend_decode(q[inputs.decode.rows], inputs.decode)
         return self.wo(out.view(t, -1))  # (T, dim)
 
     def _attend(self, q: Tensor, seq: SequenceSlice) -> Tensor:
@@ -188,6 +204,19 @@ class Attention(nn.Module):
         v = v.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, S, D)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seq.mask)
         return out.transpose(0, 1)  # (Q, H, D)
+
+    def _attend_decode(self, q: Tensor, batch: DecodeBatch) -> Tensor:
+        """B single queries q (B, H, D), each against its own padded context."""
+        assert self.kv_cache is not None
+        b, s = batch.kv_index.shape
+        k, v = self.kv_cache.gather(batch.kv_index.view(-1))  # (B*S, Hkv, D)
+        rep = self.n_heads // self.n_kv_heads
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).repeat_interleave(rep, dim=2)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.mask
+        )  # (B, H, 1, D)
+        return out.squeeze(2)  # (B, H, D)
 
 
 class FeedForward(nn.Module):
