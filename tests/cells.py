@@ -119,13 +119,18 @@ def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell
         yield cell
     finally:
         channel.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
         log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it is not done within ``timeout``."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_serving(cell: Cell, timeout: float, log: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 
 import kubernetes
 import pytest
+from cells import stop_process
 from kube_emulator import KubeEmulator
 from kube_emulator.fixtures import CRD_PATH, node
 
@@ -120,12 +120,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         print(log.read_text()[-20000:])
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
         api.close()
         emulator.stop()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shm_sender import sender_request
 
 from tandem.shm import SegmentFull, ShmDescriptor, ShmError, ShmReader, ShmWriter
 from tandem.shm.segment import chunk_header_size
@@ -119,14 +120,6 @@ def test_two_reader_processes_follow_a_stream_larger_than_capacity(
         writer.check_invariants()
 
 
-def _request(writer: ShmWriter, keys: list[str], data: bytes) -> list[ShmDescriptor]:
-    writer.pin(keys)
-    try:
-        return [writer.hit(k) if writer.is_cached(k) else writer.put(k, [data]) for k in keys]
-    finally:
-        writer.unpin(keys)
-
-
 @pytest.mark.parametrize("n_readers", [2, 4])
 def test_protocol_ends_balanced_with_reader_processes_at_different_speeds(
         pool: list[ReaderProcess], tmp_path: Path, n_readers: int) -> None:
@@ -135,9 +128,9 @@ def test_protocol_ends_balanced_with_reader_processes_at_different_speeds(
         for slot in range(n_readers):
             pool[slot].attach(writer.path, slot)
         # put of X (request A) and hit (B) in one step; X twice in C; D aborted
-        deliveries = _request(writer, ["X"], x) + _request(writer, ["X"], x)
-        deliveries += _request(writer, ["X", "X"], x)
-        for aborted in _request(writer, ["X"], x):
+        deliveries = sender_request(writer, ["X"], x) + sender_request(writer, ["X"], x)
+        deliveries += sender_request(writer, ["X", "X"], x)
+        for aborted in sender_request(writer, ["X"], x):
             writer.release(aborted)
         for slot in range(n_readers):
             for desc in deliveries:

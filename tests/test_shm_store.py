@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from shm_sender import sender_request
 
 from tandem.shm import (
     DuplicateKey,
@@ -385,15 +386,6 @@ def test_missing_directory_is_a_create_error(tmp_path: Path) -> None:
         ShmWriter(tmp_path / "absent" / "seg", 4096, 1, 1024)
 
 
-def _request(writer: ShmWriter, keys: list[str], data: bytes) -> list[ShmDescriptor]:
-    """What the sender does for one request: pin every key, then hit or put each occurrence."""
-    writer.pin(keys)
-    try:
-        return [writer.hit(k) if writer.is_cached(k) else writer.put(k, [data]) for k in keys]
-    finally:
-        writer.unpin(keys)
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n_readers", [1, 2, 4])
 def test_protocol_ends_balanced_with_readers_at_different_speeds(
@@ -402,9 +394,9 @@ def test_protocol_ends_balanced_with_readers_at_different_speeds(
     x = payload(1000, seed)
     # one step: request A misses X (put) and request B hits it; request C has X twice;
     # request D hits X and is aborted before it is scheduled
-    deliveries = _request(writer, ["X"], x) + _request(writer, ["X"], x)
-    deliveries += _request(writer, ["X", "X"], x)
-    for aborted in _request(writer, ["X"], x):
+    deliveries = sender_request(writer, ["X"], x) + sender_request(writer, ["X"], x)
+    deliveries += sender_request(writer, ["X", "X"], x)
+    for aborted in sender_request(writer, ["X"], x):
         writer.release(aborted)
     queues = [list(deliveries) for _ in readers]
     rng = random.Random(seed)
