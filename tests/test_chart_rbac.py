@@ -6,7 +6,7 @@ Two sources of API calls:
   indexes list and watch; change handlers and timers list, watch and patch their resource (and
   its status subresource when handlers write `patch.status`); handlers post Events; kopf watches
   CRDs, and namespaces when it serves a list of them (kopf/_core/reactor/observation.py).
-- `KubeApi` (operator/kube.py), whose call sites are resolved with `ast`: the kind of each call is
+- `KubeApi` (operator/tandem_operator/kube.py), whose call sites are resolved with `ast`: the kind of each call is
   a string literal, a dict literal's "kind", or a `build_*` builder's kind, followed through
   local assignments and for-loops. A call whose kind cannot be resolved fails the test.
 """
@@ -203,7 +203,7 @@ def flatten(role: dict) -> set[Rule]:
 
 
 def test_operator_source_analysis_finds_the_calls() -> None:
-    """Guards the analysis itself: known calls of operator/reconcile.py are seen."""
+    """Guards the analysis itself: known calls of operator/tandem_operator/reconcile.py are seen."""
     calls = {(m, frozenset(k), c) for _, _, m, k, c in kubeapi_calls()}
     assert ("delete", frozenset({"Pod"}), False) in calls
     assert ("dry_run_create", frozenset({"Pod"}), False) in calls

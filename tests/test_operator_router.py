@@ -1,4 +1,4 @@
-"""The router's manifests (operator/router.py) and where the user-facing Service points.
+"""The router's manifests (operator/tandem_operator/router.py) and where the user-facing Service points.
 
 Strict schema validation of these objects is in test_operator_manifests.py with the others.
 """
