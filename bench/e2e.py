@@ -16,7 +16,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -25,10 +24,8 @@ from pathlib import Path
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cells import Cell, png, request, running_cell
-
 from tandem import __version__
+from tandem_testing.cells import Cell, png, request, running_cell
 
 
 def ttft(cell: Cell, msg) -> float:

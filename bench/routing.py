@@ -41,14 +41,11 @@ import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-# The cell launcher of the test suite: `tandem serve` in a subprocess on a free port.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from cells import Cell, free_port, png, request, running_cell
-
-from tandem.router.balancer import Balancer
-from tandem.router.routing_key import routing_key
-from tandem.router.servicer import CELL_HEADER
+from router_svc.balancer import Balancer
+from router_svc.routing_key import routing_key
+from router_svc.servicer import CELL_HEADER
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 PROMPT = "Describe <image> in a few words."
 BLOCK_SIZE = 16
@@ -134,7 +131,7 @@ def run(arms: list[Arm], images: list[bytes], seq: list[int], max_tokens: int) -
 def router_process(cells: list[Cell], tmp: Path) -> Iterator[generate_pb2_grpc.GenerationStub]:
     """``tandem router`` over the cells, stopped with SIGTERM afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "router", "--cells",
+    cmd = [sys.executable, "-m", "tandem_cli.cli", "router", "--cells",
            ",".join(c.target for c in cells), "--listen", f"127.0.0.1:{port}"]
     with open(tmp / "router.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

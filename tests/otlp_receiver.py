@@ -2,7 +2,7 @@
 
 The services under test export to it with the real OTLP exporter; it keeps every span,
 decoded through the same OTLP/JSON path as the trace file (``tandem.tracing``), so tests
-read :class:`tandem.traces_view.Span` objects.
+read :class:`tandem_cli.traces_view.Span` objects.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from tandem.traces_view import Span, spans_from_otlp_json
 from tandem.tracing import traces_to_json
+from tandem_cli.traces_view import Span, spans_from_otlp_json
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):

@@ -6,9 +6,10 @@ Two sources of API calls:
   indexes list and watch; change handlers and timers list, watch and patch their resource (and
   its status subresource when handlers write `patch.status`); handlers post Events; kopf watches
   CRDs, and namespaces when it serves a list of them (kopf/_core/reactor/observation.py).
-- `KubeApi` (operator/tandem_operator/kube.py), whose call sites are resolved with `ast`: the kind of each call is
-  a string literal, a dict literal's "kind", or a `build_*` builder's kind, followed through
-  local assignments and for-loops. A call whose kind cannot be resolved fails the test.
+- `KubeApi` (operator/tandem_operator/kube.py), whose call sites are resolved with `ast`: the
+  kind of each call is a string literal, a dict literal's "kind", or a `build_*` builder's
+  kind, followed through local assignments and for-loops. A call whose kind cannot be
+  resolved fails the test.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from pathlib import Path
 
 import kopf
 import pytest
-import tandem_operator
 import yaml
-from tandem_operator.kube import _KINDS, KubeApi
 from test_chart_harness import (
     CRD_FILE,
     find,
@@ -30,6 +29,9 @@ from test_chart_harness import (
     one,
     render,
 )
+
+import tandem_operator
+from tandem_operator.kube import _KINDS, KubeApi
 
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 OPERATOR_DIR = Path(tandem_operator.__file__).parent

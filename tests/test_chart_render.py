@@ -16,11 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 from kube_emulator.schema import apply_defaults
 from pki import make_pki
-from tandem_operator.main import parser as operator_parser
-from tandem_operator.manifests import build_service, endpoint
-from tandem_operator.placement import Cell
-from tandem_operator.spec import TandemSpec, parse_spec
-from tandem_operator.workloads import build_pod_template
 from test_chart_harness import (
     ALL_ON,
     ALL_ON_SETS,
@@ -44,7 +39,12 @@ from test_chart_harness import (
 )
 
 from tandem import __version__
-from tandem.cli import build_parser
+from tandem_cli.cli import build_parser
+from tandem_operator.main import parser as operator_parser
+from tandem_operator.manifests import build_service, endpoint
+from tandem_operator.placement import Cell
+from tandem_operator.spec import TandemSpec, parse_spec
+from tandem_operator.workloads import build_pod_template
 
 CASES = [(), *((v,) for v in CI_VALUES)]
 MONITORING = "monitoring.podMonitor.enabled=true"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.config import SchedulerConfig
-from tandem.cli import _scheduler_config, build_parser
+from tandem_cli.cli import _scheduler_config, build_parser
 
 
 def test_limit_flags_reach_the_scheduler_config() -> None:

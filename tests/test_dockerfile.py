@@ -15,9 +15,9 @@ import tomllib
 from pathlib import Path
 
 import yaml
-from tandem_operator.spec import default_worker_image
 
 import tandem
+from tandem_operator.spec import default_worker_image
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cells import png, running_cell
+
+from tandem_testing.cells import png, running_cell
 
 PROMPT = "Describe this picture: <image> in a few words, please, and be brief about it."
 

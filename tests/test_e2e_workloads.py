@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from cells import png, request, running_cell
 from PIL import Image
 
 from tandem.feature_codec import tensor_to_proto
 from tandem.v1 import generate_pb2
+from tandem_testing.cells import png, request, running_cell
 
 WORKLOAD = [
     ("Tell me about <image> and stop.", [1]),

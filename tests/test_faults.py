@@ -17,8 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cells import Cell, png, request, running_cell
 from grpc_health.v1 import health_pb2
+
+from tandem_testing.cells import Cell, png, request, running_cell
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cells import Cell, free_port, png, running_cell
+
+from tandem_testing.cells import Cell, free_port, png, running_cell
 
 SMALL = (112, 84)  # 48 patches: ~113 KB processed, fits the segment
 BIG = (224, 224)  # 256 patches: ~602 KB processed, over the max object size

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cells import Cell, _wait_serving, free_port, png, request
 
 from tandem.errors import error_info
 from tandem.shm.segment import C_ID, C_NBYTES, C_TAG, HEADER_SIZE, LIVE_TAG
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem_testing.cells import Cell, _wait_serving, free_port, png, request
 
 WORKERS = 2
 PROMPT = "Describe <image> in a few words."
@@ -33,7 +33,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_DEBUG_INVARIANTS="1")
 @contextlib.contextmanager
 def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *cmd], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "tandem_cli.cli", *cmd], stdout=out,
                                 stderr=subprocess.STDOUT, env=ENV)
         try:
             yield proc

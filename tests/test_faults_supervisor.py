@@ -10,7 +10,7 @@ from multiprocessing.process import BaseProcess
 
 import pytest
 
-from tandem.supervisor import Backoff, WorkerSupervisor
+from tandem_cli.supervisor import Backoff, WorkerSupervisor
 
 CTX = multiprocessing.get_context("spawn")
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from cells import Cell, png, running_cell
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.v1 import generate_pb2, tensor_pb2
+from tandem_testing.cells import Cell, png, running_cell
 
 GOOD = [png(1, 56, 56), png(2, 84, 56)]
 ALLOWED = {"OK", "INVALID_ARGUMENT"}

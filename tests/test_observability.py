@@ -11,13 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cells import Cell, png, request, running_cell
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.cli import main
-from tandem.traces_view import Span, read_spans
 from tandem.v1 import generate_pb2
+from tandem_cli.cli import main
+from tandem_cli.traces_view import Span, read_spans
+from tandem_testing.cells import Cell, png, request, running_cell
 
 PROMPT = "Describe this picture: <image> in a few words, please, and be brief about it."
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

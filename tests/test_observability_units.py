@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
 from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
-from tandem.traces_view import read_spans, render
+from tandem_cli.traces_view import read_spans, render
 
 
 def _provider(path: Path, service: str) -> TracerProvider:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kube_emulator.fixtures import tandem_spec
+
 from tandem_operator.conditions import (
     PodInfo,
     fold_verdicts,

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from kube_emulator.fixtures import CRD_PATH, REPO, SCHEMA, defaulted_spec, tandem_spec
 from kube_emulator.schema import apply_defaults, cel_rules, load_crd, validation_errors
+
+import tandem
 from tandem_operator.conditions import PodInfo, invalid_spec_conditions
 from tandem_operator.manifests import HEALTH_PORT, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT
 from tandem_operator.placement import Cell
@@ -24,8 +26,6 @@ from tandem_operator.spec import (
     SpecError,
     parse_spec,
 )
-
-import tandem
 
 EXAMPLES = sorted((REPO / "docs").rglob("*.yaml"))
 

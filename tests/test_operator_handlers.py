@@ -6,6 +6,7 @@ from __future__ import annotations
 import kopf
 import pytest
 from kube_emulator.fixtures import tandem_spec
+
 from tandem_operator.conditions import PodInfo
 from tandem_operator.handlers import OperatorConfig, changed_status, configure
 from tandem_operator.main import parser

@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 
 import kubernetes
 import pytest
-from cells import stop_process
 from kube_emulator import KubeEmulator
 from kube_emulator.fixtures import CRD_PATH, node
+
+from tandem_testing.cells import stop_process
 
 T = TypeVar("T")
 GI = 1 << 30

@@ -11,6 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from kube_emulator.fixtures import tandem_spec
+
 from tandem_operator.manifests import (
     build_cleanup_job,
     build_configmap,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kube_emulator.fixtures import node, pod, tandem_spec
+
 from tandem_operator.placement import (
     Cell,
     NodeInfo,

@@ -1,4 +1,5 @@
-"""The router's manifests (operator/tandem_operator/router.py) and where the user-facing Service points.
+"""The router's manifests (operator/tandem_operator/router.py) and where the user-facing
+Service points.
 
 Strict schema validation of these objects is in test_operator_manifests.py with the others.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kube_emulator.fixtures import tandem_spec
+
 from tandem_operator.manifests import build_service
 from tandem_operator.placement import Cell
 from tandem_operator.reconcile import Front

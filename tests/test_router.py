@@ -23,18 +23,18 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from cells import Cell, free_port, png, request, running_cell
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from router_svc.routing_key import routing_key
+from router_svc.server import RouterConfig, RouterServer, create_router
+from router_svc.servicer import CELL_HEADER
+from tandem.cell_stats import parse_per_cell
 from tandem.errors import error_info
-from tandem.router.cell_stats import parse_per_cell
-from tandem.router.routing_key import routing_key
-from tandem.router.server import RouterConfig, RouterServer, create_router
-from tandem.router.servicer import CELL_HEADER
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 T = TypeVar("T")
 PROMPT = "Describe <image> briefly."
@@ -231,7 +231,7 @@ def test_a_paused_cell_loses_its_keys_and_gets_them_back(
 def test_cli_router_serves_and_shuts_down_on_sigterm(cells: list[Cell], tmp_path: Path) -> None:
     port = free_port()
     targets = ",".join(c.target for c in cells[:2])
-    cmd = [sys.executable, "-m", "tandem.cli", "router", "--cells", targets,
+    cmd = [sys.executable, "-m", "tandem_cli.cli", "router", "--cells", targets,
            "--listen", f"127.0.0.1:{port}", "--health-interval", "0.2"]
     with open(tmp_path / "router.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -244,7 +244,7 @@ def test_cli_router_serves_and_shuts_down_on_sigterm(cells: list[Cell], tmp_path
             out = list(stub.Generate(request(PROMPT, [png(2)], max_tokens=2), timeout=60))
             assert out[-1].usage.completion_tokens == 2
         table = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "stats", "--target", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "tandem_cli.cli", "stats", "--target", f"127.0.0.1:{port}",
              "--per-cell"], capture_output=True, text=True, timeout=60, check=True).stdout
         header, *rows = (line.split() for line in table.splitlines())
         assert header == ["field", "total", *(c.target for c in cells[:2])]

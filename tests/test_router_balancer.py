@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tandem.router.balancer import Balancer
-from tandem.router.cell_stats import aggregate, format_per_cell, parse_per_cell, per_cell_metadata
-from tandem.router.metrics import BalancerCollector
-from tandem.router.ring import HashRing
-from tandem.router.routing_key import routing_key
+from router_svc.balancer import Balancer
+from router_svc.metrics import BalancerCollector
+from router_svc.ring import HashRing
+from router_svc.routing_key import routing_key
+from tandem.cell_stats import aggregate, format_per_cell, parse_per_cell, per_cell_metadata
 from tandem.v1 import generate_pb2
 
 CELLS = ("10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051")

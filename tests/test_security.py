@@ -24,11 +24,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cells import Cell, _wait_serving, free_port, png, request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Pki, make_pki
 
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_testing.cells import Cell, _wait_serving, free_port, png, request
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_DEBUG_INVARIANTS="1")
 
@@ -46,7 +46,7 @@ def tls_cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCell]:
     tmp = tmp_path_factory.mktemp("tls")
     pki = make_pki(tmp)
     port, health_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--shm-dir", str(tmp / "shm"), "--kv-cache-size", "16Mi", "--log-level", "INFO",
            "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
            "--tls-client-ca", str(pki.ca), "--health-listen", f"127.0.0.1:{health_port}"]
@@ -91,14 +91,14 @@ def test_mutual_tls_admits_only_clients_of_the_ca(tls_cell: TlsCell) -> None:
 def test_generate_cli_speaks_mutual_tls(tls_cell: TlsCell) -> None:
     pki = tls_cell.pki
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "Hello there", "--max-tokens", "3",
+        [sys.executable, "-m", "tandem_cli.cli", "generate", "Hello there", "--max-tokens", "3",
          "--target", tls_cell.cell.target, "--tls-ca", str(pki.ca),
          "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)],
         capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0, out.stderr
     assert "3 generated" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "Hello", "--target",
+        [sys.executable, "-m", "tandem_cli.cli", "generate", "Hello", "--target",
          tls_cell.cell.target, "--tls-ca", str(pki.ca)],
         capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
@@ -183,7 +183,7 @@ def test_scheduler_refuses_an_unsafe_shared_directory(tmp_path: Path, unsafe: st
     else:
         pytest.skip("changing the owner needs root")
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "scheduler", "--shm-dir", str(shm),
+        [sys.executable, "-m", "tandem_cli.cli", "scheduler", "--shm-dir", str(shm),
          "--listen", f"127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 2, out.stderr
@@ -194,7 +194,7 @@ def test_scheduler_refuses_an_unsafe_shared_directory(tmp_path: Path, unsafe: st
 def test_bad_tls_settings_are_refused(tmp_path: Path) -> None:
     (tmp_path / "cert.pem").write_text("not a certificate")
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "scheduler", "--shm-dir", str(tmp_path / "shm"),
+        [sys.executable, "-m", "tandem_cli.cli", "scheduler", "--shm-dir", str(tmp_path / "shm"),
          "--tls-cert", str(tmp_path / "cert.pem"), "--listen", f"127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 2 and "--tls-key" in out.stderr, out.stderr
@@ -210,7 +210,7 @@ def _router(tmp: Path, name: str, **settings: str) -> Iterator[tuple[int, int]]:
                TANDEM_ROUTER_HEALTH_INTERVAL="0.2", **settings)
     log_path = tmp / f"{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router"], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "tandem_cli.cli", "router"], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 30

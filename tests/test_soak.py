@@ -4,13 +4,10 @@ allocated, RSS is flat after warm-up and no status was unexpected."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from cells import free_port, running_cell
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from soak import Soak, SoakConfig, cell_flags, print_report
+from tandem_testing.cells import free_port, running_cell
+from tandem_testing.soak import Soak, SoakConfig, cell_flags, print_report
 
 
 def test_soak_with_a_worker_restart(tmp_path: Path) -> None:

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
-from cells import png, running_cell
 
 from tandem.errors import FailedPrecondition, InvalidInput
+from tandem_testing.cells import png, running_cell
 from worker_svc.checkpoint import build_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model import Transformer

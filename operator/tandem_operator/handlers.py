@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+
 from tandem_operator.conditions import PodInfo, invalid_spec_conditions, pod_info
 from tandem_operator.kube import KubeApi
 from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, NodeInfo, PodLoad

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 import kopf
-import tandem_operator  # noqa: F401  (registers the handlers)
 
+import tandem_operator  # noqa: F401  (registers the handlers)
 from tandem import tracing
 
 

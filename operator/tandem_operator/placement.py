@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+
 from tandem_operator.spec import TandemSpec
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "tandem-operator")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from tandem_operator.conditions import (
     CellObservation,
     PodInfo,

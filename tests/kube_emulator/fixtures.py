@@ -7,10 +7,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from tandem_operator.spec import TandemSpec, parse_spec
-
 from kube_emulator.patches import merge_patch
 from kube_emulator.schema import apply_defaults, load_crd, version_schema
+from tandem_operator.spec import TandemSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "tandem" / "crds" / "tandemservices.tandem.dev.yaml"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.router.balancer import Balancer
+from router_svc.balancer import Balancer
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)

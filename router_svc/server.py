@@ -13,14 +13,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from router_svc.balancer import Balancer
+from router_svc.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
+from router_svc.metrics import BalancerCollector
+from router_svc.servicer import RouterServicer
 from tandem import tracing
 from tandem.errors import ErrorMappingInterceptor
 from tandem.health_port import HealthPort
 from tandem.metrics import MetricsEndpoint
-from tandem.router.balancer import Balancer
-from tandem.router.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
-from tandem.router.metrics import BalancerCollector
-from tandem.router.servicer import RouterServicer
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 

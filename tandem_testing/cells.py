@@ -106,7 +106,7 @@ def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     shm_dir = tmp / "shm"
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--shm-dir", str(shm_dir), "--kv-cache-size", "16Mi", "--log-level", "WARNING",
            *flags]
     log = open(tmp / "cell.log", "wb")  # noqa: SIM115 - closed below

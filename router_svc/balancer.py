@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem.router.ring import DEFAULT_VNODES, HashRing
+from router_svc.ring import DEFAULT_VNODES, HashRing
 
 Reason = Literal["affinity", "spill", "failover"]
 REASONS: tuple[Reason, ...] = ("affinity", "spill", "failover")

@@ -164,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import multiprocessing
 
     from scheduler_svc.server import serve as serve_scheduler
-    from tandem.supervisor import WorkerSupervisor
+    from tandem_cli.supervisor import WorkerSupervisor
 
     shm_dir = Path(args.shm_dir)
     prepare_shared_dir(shm_dir, args.shm_group_mode)  # refused: nothing started or removed
@@ -263,7 +263,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_traces(args: argparse.Namespace) -> int:
-    from tandem.traces_view import render_file
+    from tandem_cli.traces_view import render_file
 
     if not args.file:
         print("error: no trace file: pass --file or set TANDEM_TRACE_FILE", file=sys.stderr)
@@ -284,7 +284,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from tandem.router.server import RouterConfig, serve
+    from router_svc.server import RouterConfig, serve
 
     cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
     if not cells:
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.client import add_client_commands
+    from tandem_cli.client import add_client_commands
 
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")

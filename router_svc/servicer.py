@@ -22,10 +22,10 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from tandem.router.balancer import Balancer, RouteDecision
-from tandem.router.cell_pool import CellPool
-from tandem.router.cell_stats import aggregate, per_cell_metadata
-from tandem.router.routing_key import routing_key
+from router_svc.balancer import Balancer, RouteDecision
+from router_svc.cell_pool import CellPool
+from router_svc.routing_key import routing_key
+from tandem.cell_stats import aggregate, per_cell_metadata
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 CELL_HEADER = "x-tandem-cell"

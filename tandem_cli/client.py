@@ -104,7 +104,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     if args.per_cell:
-        from tandem.router.cell_stats import format_per_cell, parse_per_cell
+        from tandem.cell_stats import format_per_cell, parse_per_cell
 
         print(format_per_cell(stats, parse_per_cell(call.trailing_metadata())))
     else:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.router.balancer import REASONS, Balancer
+from router_svc.balancer import REASONS, Balancer
 
 
 class BalancerCollector(Collector):

@@ -1,0 +1,5 @@
+"""What the tests and the benchmarks both need: local cells started as real ``tandem serve``
+processes, free ports, images, scripted worker steps and the soak workload.
+
+No production module imports this package (tests/test_import_rules.py checks it).
+"""
