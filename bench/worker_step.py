@@ -38,6 +38,12 @@ from tandem.features import MultiModalKwargsItem
 from tandem.shm import ShmWriter
 from tandem.tokenizer import BOS_ID
 from tandem.v1 import worker_pb2_grpc
+from tandem_testing.scripted import (
+    ScriptedRequest,
+    ScriptedScheduler,
+    synthetic_image,
+    synthetic_prompt,
+)
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
 from worker_svc.model import ModelInputs, Transformer
@@ -45,12 +51,6 @@ from worker_svc.runner import StepRunner
 from worker_svc.server import kv_cache_blocks, serve
 from worker_svc.step import StepInput, StepOutput
 from worker_svc.step_codec import step_output_from_proto, step_to_proto
-from worker_svc.synthetic import (
-    ScriptedRequest,
-    ScriptedScheduler,
-    synthetic_image,
-    synthetic_prompt,
-)
 
 BLOCK_SIZE = 16
 IMAGE_GRID = 16  # patches per side: 64 placeholder tokens per image

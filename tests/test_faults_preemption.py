@@ -18,11 +18,11 @@ from scheduler_svc.request import Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from scheduler_svc.step_message import build_step_request, mark_delivered
 from tandem.v1 import worker_pb2
+from tandem_testing.scripted import synthetic_image, synthetic_prompt
 from worker_svc.checkpoint import build_model
 from worker_svc.model_config import PRESETS
 from worker_svc.runner import StepRunner
 from worker_svc.step_codec import step_from_proto
-from worker_svc.synthetic import synthetic_image, synthetic_prompt
 
 BLOCK = 4
 CONFIG = PRESETS["tiny"]

@@ -26,11 +26,11 @@ from tandem.errors import error_info
 from tandem.feature_codec import descriptor_to_proto, item_to_parts
 from tandem.shm import ShmDescriptor, ShmWriter
 from tandem.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+from tandem_testing.scripted import synthetic_image, synthetic_prompt
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
 from worker_svc.step import NewRequestData, SamplingParams, StepInput
 from worker_svc.step_codec import step_to_proto
-from worker_svc.synthetic import synthetic_image, synthetic_prompt
 
 SEGMENT = "features.seg"
 CAPACITY = 1 << 20

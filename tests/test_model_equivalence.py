@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
+from tandem_testing.scripted import (
+    ScriptedRequest,
+    ScriptedScheduler,
+    synthetic_image,
+    synthetic_prompt,
+)
 from worker_svc.checkpoint import build_model
 from worker_svc.layers import apply_rotary, rotary_for_positions
 from worker_svc.model import Transformer
@@ -24,12 +30,6 @@ from worker_svc.model_config import PRESETS
 from worker_svc.positions import ImageSpan, mrope_positions, rope_positions
 from worker_svc.request_state import IMAGE_GRID_THW
 from worker_svc.runner import StepRunner
-from worker_svc.synthetic import (
-    ScriptedRequest,
-    ScriptedScheduler,
-    synthetic_image,
-    synthetic_prompt,
-)
 
 LOGITS_ATOL = 1e-4  # observed max difference ~2e-6
 BLOCK_SIZE = 4

@@ -24,18 +24,18 @@ import torch.multiprocessing as torch_mp
 
 from tandem.errors import FailedPrecondition, InvalidInput
 from tandem_testing.cells import png, running_cell
+from tandem_testing.scripted import (
+    ScriptedRequest,
+    ScriptedScheduler,
+    synthetic_image,
+    synthetic_prompt,
+)
 from worker_svc.checkpoint import build_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model import Transformer
 from worker_svc.model_config import PRESETS
 from worker_svc.runner import StepRunner
 from worker_svc.step import StepInput
-from worker_svc.synthetic import (
-    ScriptedRequest,
-    ScriptedScheduler,
-    synthetic_image,
-    synthetic_prompt,
-)
 from worker_svc.tensor_parallel import (
     GroupLost,
     TensorParallelGroup,

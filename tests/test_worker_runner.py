@@ -9,6 +9,12 @@ import pytest
 import torch
 
 from tandem.errors import FailedPrecondition, InvalidInput, TandemError
+from tandem_testing.scripted import (
+    ScriptedRequest,
+    ScriptedScheduler,
+    synthetic_image,
+    synthetic_prompt,
+)
 from worker_svc.checkpoint import build_model
 from worker_svc.model_config import PRESETS
 from worker_svc.positions import ImageSpan, mrope_positions
@@ -20,12 +26,6 @@ from worker_svc.step_codec import (
     step_output_from_proto,
     step_output_to_proto,
     step_to_proto,
-)
-from worker_svc.synthetic import (
-    ScriptedRequest,
-    ScriptedScheduler,
-    synthetic_image,
-    synthetic_prompt,
 )
 
 BLOCK_SIZE = 4

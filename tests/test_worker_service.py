@@ -22,6 +22,12 @@ from tandem.errors import error_info
 from tandem.feature_codec import item_to_parts
 from tandem.shm import ShmWriter
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem_testing.scripted import (
+    ScriptedRequest,
+    ScriptedScheduler,
+    synthetic_image,
+    synthetic_prompt,
+)
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
 from worker_svc.step import (
@@ -32,12 +38,6 @@ from worker_svc.step import (
     StepOutput,
 )
 from worker_svc.step_codec import step_output_from_proto, step_to_proto
-from worker_svc.synthetic import (
-    ScriptedRequest,
-    ScriptedScheduler,
-    synthetic_image,
-    synthetic_prompt,
-)
 
 BLOCK_SIZE = 4
 SEGMENT = "features.seg"
