@@ -1,9 +1,11 @@
-"""Model weights: seeded built-in presets, and the ``config.json`` + ``model.safetensors`` form.
+"""Model weights: seeded built-in presets, Tandem's own files, and Hugging Face checkpoints.
 
 A preset is built from its config's seed, so every worker of a cell (and the reference in
-the tests) holds bit-identical weights without a file. ``export_model`` writes that form to
-disk and ``load_model`` reads it back: the modules are built on ``meta`` and the loaded
-tensors are assigned, so the weights exist in memory once.
+the tests) holds bit-identical weights without a file. ``export_model`` writes a preset as
+``config.json`` + ``model.safetensors`` in Tandem's names and ``load_model`` reads it back;
+a Hugging Face directory (``model_type`` in its config.json) is converted while it loads
+(``hf_checkpoint.py``). Either way the modules are built on ``meta`` and the loaded tensors
+are assigned, so the weights exist in memory once.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.errors import InvalidInput
+from worker_svc.hf_checkpoint import load_hf_weights
 from worker_svc.model import Transformer
 from worker_svc.model_config import (
     CONFIG_FILE,
     PRESETS,
+    TANDEM,
     WEIGHTS_FILE,
     ModelConfig,
     model_config_from_name,
 )
 from worker_svc.tensor_parallel import shard_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -32,8 +38,15 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def compute_dtype(device: torch.device, spec: str = "auto") -> torch.dtype:
+    """The serving dtype: ``auto`` is bf16 on CUDA and fp32 elsewhere (CPUs lack fast bf16
+    matmuls), whatever dtype the checkpoint files hold; otherwise one of ``DTYPES``."""
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec not in DTYPES:
+        raise InvalidInput(f"dtype {spec!r} is not auto or one of {', '.join(DTYPES)}",
+                           reason="BAD_DTYPE")
+    return DTYPES[spec]
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -61,6 +74,9 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
         return build_model(config, device, dtype)
     with torch.device("meta"):
         model = Transformer(config)
+    if config.model_type != TANDEM:
+        load_hf_weights(model, Path(name_or_path), device, dtype)
+        return model.eval().requires_grad_(False)
     state = load_file(str(Path(name_or_path) / WEIGHTS_FILE), device=str(device))
     try:
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
@@ -71,7 +87,11 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
 
 
 def export_model(name: str, out_dir: str | Path) -> Path:
-    """Write ``name`` (a preset or a model directory) as config.json + model.safetensors."""
+    """Write ``name`` (a preset or a Tandem model directory) as config.json +
+    model.safetensors. A Hugging Face directory is served as it is, not exported."""
+    if model_config_from_name(name).model_type != TANDEM:
+        raise InvalidInput(f"{name!r} is a Hugging Face checkpoint: serve it as it is "
+                           "(export-model writes the built-in models)", reason="BAD_EXPORT")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(name, torch.device("cpu"), torch.float32)

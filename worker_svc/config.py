@@ -11,12 +11,13 @@ MiB = 1 << 20
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     shm_dir: str  # shared with the scheduler: segment file and worker-<rank>.sock
-    model: str = "tiny"  # preset name or a directory with config.json + model.safetensors
+    model: str = "tiny"  # preset name, or a directory: Hugging Face layout or export-model's
     rank: int = 0  # SHM reader slot
     world_size: int = 1
     worker_listen: str = ""  # extra TCP host:port ("" = Unix socket only)
     health_listen: str = ""  # plaintext host:port with grpc.health.v1 only (probes)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
     block_size: int = 16  # tokens per KV block; must equal the scheduler's
     kv_cache_bytes: int = 256 * MiB  # KV budget on CPU
     gpu_memory_fraction: float = 0.8  # KV budget on CUDA: fraction of free memory
@@ -30,6 +31,8 @@ class WorkerConfig:
             raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
         if self.block_size <= 0 or self.kv_cache_bytes <= 0:
             raise ValueError("block_size and kv_cache_bytes must be positive")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype {self.dtype!r} is not auto, bfloat16, float16 or float32")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.tensor_parallel_size < 1 or self.world_size % self.tensor_parallel_size:

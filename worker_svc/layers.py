@@ -39,6 +39,15 @@ def pair_components(sections: tuple[int, ...], device: torch.device) -> Tensor:
     )
 
 
+def axial_rotary(head_dim: int, max_grid: int, theta: float,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """The 2-D rotary of a vision tower: (table (G, D/2, 2), components (D/2,)). Half the
+    pairs follow the row, half the column, each half with the same frequency spectrum."""
+    half = head_dim // 4
+    table = rotary_table(half, max_grid, theta, device)  # (G, half, 2)
+    return torch.cat([table, table], dim=1), pair_components((half, half), device)
+
+
 def rotary_for_positions(table: Tensor, positions: Tensor, components: Tensor) -> Tensor:
     """cos/sin for each token: positions (C, T) -> (T, n_pairs, 2)."""
     # No range asserts here: they would sync with the device. The runner checks positions

@@ -1,11 +1,18 @@
-"""The built-in vision-language model: a Llama-style decoder over a paged KV cache.
+"""The decoder: a Llama-style transformer over a paged KV cache, with an optional vision tower.
 
 Contents, top to bottom: ``ModelInputs`` (one step's flattened batch), ``PagedKVCache``,
 ``Transformer`` (token embedding, image-embedding splice, blocks, head), ``TransformerBlock``,
 ``Attention`` (grouped-query, rotary, paged), ``FeedForward`` (SwiGLU). The config and its
 presets are in ``model_config.py``, RMSNorm and rotary in ``layers.py`` (shared with the
-vision tower in ``vision.py``), weights on disk in ``checkpoint.py``; ``tensor_parallel.py``
-rewrites a built model into one rank's shard (per-layer head counts, hooks), not this file.
+vision towers: the built-in one in ``vision.py``, Qwen2-VL's and Qwen2.5-VL's in
+``qwen_vision.py``), weights on disk in ``checkpoint.py`` and ``hf_checkpoint.py``;
+``tensor_parallel.py`` rewrites a built model into one rank's shard (per-layer head counts,
+hooks), not this file.
+
+One decoder serves the built-in model and the Hugging Face Llama/Qwen2 family: what differs
+is config (biases, head size, tied head, RoPE vs M-RoPE), never a branch in ``forward``.
+Rotary rotates interleaved pairs (2i, 2i+1); checkpoints that rotate half-vectors have their
+q/k rows permuted once at load (``hf_checkpoint.py``).
 
 A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
 the whole step at once, and only attention is split: each multi-token sequence (a prefill
@@ -32,7 +39,8 @@ from worker_svc.layers import (
     rotary_for_positions,
     rotary_table,
 )
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_config import TANDEM, ModelConfig
+from worker_svc.qwen_vision import QwenVisionEncoder
 from worker_svc.vision import VisionEncoder
 
 
@@ -97,15 +105,23 @@ class PagedKVCache(nn.Module):
                 self.v_cache.view(-1, h, d).index_select(0, kv_index))
 
 
+def vision_tower(config: ModelConfig) -> VisionEncoder | QwenVisionEncoder | None:
+    if not config.has_vision:
+        return None
+    return VisionEncoder(config) if config.model_type == TANDEM else QwenVisionEncoder(config)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.visual = VisionEncoder(config)
+        self.visual = vision_tower(config)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.rope: Tensor | None = None
         self.rope_components: Tensor | None = None
         self.num_blocks, self.block_size = 0, 0
@@ -139,11 +155,13 @@ class Transformer(nn.Module):
                 num_blocks, block_size, layer.attention.n_kv_heads, c.head_dim, dtype).to(device)
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device)
         self.rope_components = pair_components(c.mrope_section, device)
-        self.visual.setup_caches(device)
+        if self.visual is not None:
+            self.visual.setup_caches(device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def encode_image(self, pixel_values: Tensor, grid_h: int, grid_w: int) -> Tensor:
-        """(h*w, C*P*P) patches -> (h*w/4, dim) embeddings, one per placeholder token."""
+        """(h*w, C*T*P*P) patches -> (h*w/m^2, dim) embeddings, one per placeholder token."""
+        assert self.visual is not None, "a text-only model has no vision tower (runner checks)"
         return self.visual(pixel_values.to(self.output.weight.dtype), grid_h, grid_w)
 
     def forward(self, inputs: ModelInputs) -> Tensor:
@@ -175,9 +193,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.n_heads, config.n_kv_heads, config.head_dim)
-        self.q_size, self.kv_size = config.dim, config.n_kv_heads * config.head_dim
-        self.wqkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=False)
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.q_size = config.n_heads * config.head_dim
+        self.kv_size = config.n_kv_heads * config.head_dim
+        self.wqkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.q_size, config.dim, bias=config.out_bias)
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
@@ -222,9 +241,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        bias = config.mlp_bias
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=bias)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=bias)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=bias)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

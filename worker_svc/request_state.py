@@ -9,7 +9,6 @@ from torch import Tensor
 
 from tandem.errors import InvalidInput
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
-from tandem.tokenizer import IMAGE_ID
 from worker_svc.model_config import ModelConfig
 from worker_svc.positions import ImageSpan, mrope_positions, rope_positions
 from worker_svc.sampler import seed_for_request
@@ -113,7 +112,11 @@ def _image_span(f: MultiModalFeatureSpec, token_ids: list[int],
                 config: ModelConfig) -> ImageSpan | None:
     """The merged grid of ``f`` checked against its placeholders (None without a grid)."""
     pos = f.mm_position
-    if any(t != IMAGE_ID for t in token_ids[pos.offset:pos.end]) or pos.end > len(token_ids):
+    if config.image_token_id is None:
+        raise InvalidInput(f"feature {f.identifier}: model {config.model_type} takes no images",
+                           reason="NO_VISION")
+    placeholders = token_ids[pos.offset:pos.end]
+    if any(t != config.image_token_id for t in placeholders) or pos.end > len(token_ids):
         raise InvalidInput(f"feature {f.identifier}: tokens [{pos.offset}, {pos.end}) are not "
                            "all image placeholders", reason="BAD_PLACEHOLDERS")
     if not isinstance(f.data, MultiModalKwargsItem) or IMAGE_GRID_THW not in f.data:
@@ -127,6 +130,9 @@ def _image_span(f: MultiModalFeatureSpec, token_ids: list[int],
     if h <= 0 or w <= 0 or h % m or w % m or (h // m) * (w // m) != pos.length:
         raise InvalidInput(f"feature {f.identifier}: grid {h}x{w} does not give "
                            f"{pos.length} embeddings", reason="BAD_GRID")
+    if max(h, w) > config.vision_max_grid:
+        raise InvalidInput(f"feature {f.identifier}: grid {h}x{w} has a side over "
+                           f"{config.vision_max_grid} patches", reason="BAD_GRID")
     pixels = f.data.get(PIXEL_VALUES)
     if pixels is not None and (tuple(pixels.data.shape) != (h * w, config.patch_dim)
                                or not pixels.data.is_floating_point()):

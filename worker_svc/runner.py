@@ -15,7 +15,6 @@ from tandem.errors import FailedPrecondition, InvalidInput
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.shm import ShmDescriptor
-from tandem.tokenizer import BOS_ID, IMAGE_ID
 from worker_svc.batch import build_batch
 from worker_svc.encoder_cache import EncoderCache
 from worker_svc.model import Transformer
@@ -288,17 +287,25 @@ class StepRunner:
     def warm_up(self) -> None:
         """Run one tiny request through every stage (encoder, forward, sampler), then release it.
 
-        It writes block 0 and no request is harmed: a slot is always written by the step
-        that computes its token before any request reads it.
+        The tokens are the model's own: its BOS (token 0 when it has none), then one image
+        placeholder when it takes images. It writes block 0 and no request is harmed: a
+        slot is always written by the step that computes its token before any request
+        reads it.
         """
         rid, c = "__warmup__", self.config
-        feature = MultiModalFeatureSpec(rid, "image", PlaceholderRange(1, 1),
-                                        synthetic_image(c, c.merge_size, c.merge_size, seed=0))
-        blocks = list(range(-(-2 // self.model.block_size)))
-        req = NewRequestData(rid, [BOS_ID, IMAGE_ID], 2, [feature], SamplingParams(), blocks, 0)
-        self.step(StepInput(0, new_requests=[req], num_scheduled_tokens={rid: 2},
-                            scheduled_encoder_inputs={rid: [0]}))
-        self.step(StepInput(0, free_encoder_mm_hashes=[rid], finished_request_ids=[rid]))
+        tokens = [c.bos_token_id if c.bos_token_id is not None else 0]
+        features, encoder_inputs = [], {}
+        if c.image_token_id is not None:
+            image = synthetic_image(c, c.merge_size, c.merge_size, seed=0)
+            features = [MultiModalFeatureSpec(rid, "image", PlaceholderRange(1, 1), image)]
+            tokens.append(c.image_token_id)
+            encoder_inputs = {rid: [0]}
+        blocks = list(range(-(-len(tokens) // self.model.block_size)))
+        req = NewRequestData(rid, tokens, len(tokens), features, SamplingParams(), blocks, 0)
+        self.step(StepInput(0, new_requests=[req], num_scheduled_tokens={rid: len(tokens)},
+                            scheduled_encoder_inputs=encoder_inputs))
+        self.step(StepInput(0, free_encoder_mm_hashes=[f.identifier for f in features],
+                            finished_request_ids=[rid]))
 
     def check_invariants(self) -> None:
         for state in self.requests.values():

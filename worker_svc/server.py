@@ -19,12 +19,10 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from tandem.errors import ErrorMappingInterceptor, ResourceExhausted, Unavailable
-from tandem.health_port import HealthPort
+from tandem.errors import ResourceExhausted, Unavailable
+from tandem.grpc_server import GrpcServer
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -69,7 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         c = self.config
         tp = c.tensor_parallel_size
         device = rank_device(resolve_device(c.device), c.rank, tp)
-        dtype = compute_dtype(device)
+        dtype = compute_dtype(device, c.dtype)
         group = join_group(c, device) if tp > 1 else None  # blocks until the peers arrive
         model = load_model(c.model, device, dtype, c.rank % tp, tp)
         if group is not None:
@@ -139,42 +137,31 @@ class RunningWorker:
     """A started worker server: what ``shutdown`` needs, and the addresses for clients."""
 
     config: WorkerConfig
-    server: grpc.aio.Server
+    grpc: GrpcServer  # its health-only port (for kubelet probes) never serves Step
     addresses: list[str]  # "unix:///abs/path/worker-<rank>.sock", then "host:port" if TCP
-    health: health.aio.HealthServicer
     servicer: WorkerServicer
     executor: ThreadPoolExecutor
     warmup: asyncio.Task[None]
     metrics: MetricsEndpoint | None = None
-    probes: HealthPort | None = None  # health only, for kubelet probes; never Step
 
 
 async def create_server(config: WorkerConfig) -> RunningWorker:
     """Start serving now (health NOT_SERVING); load and warm up in the background."""
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = WorkerServicer(config, executor)
-    server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
-        options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-                 ("grpc.max_send_message_length", MAX_SEND_BYTES)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    addresses = _bind(server, config)
-    await server.start()
-    probes = await HealthPort.start(health_servicer, config.health_listen)
-    warmup = asyncio.create_task(_warm_up(servicer, health_servicer), name="worker-warmup")
+    server = GrpcServer.create(SERVICE_NAME, [
+        ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ("grpc.max_send_message_length", MAX_SEND_BYTES)], trace_calls=False)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    addresses = await server.start(lambda s: _bind(s, config), config.health_listen,
+                                   overall_serving=False)
+    warmup = asyncio.create_task(_warm_up(servicer, server), name="worker-warmup")
     metrics = None
     if config.metrics_port:
         registry = CollectorRegistry()
         registry.register(SnapshotCollector(servicer.telemetry.metric_values))
         metrics = await MetricsEndpoint.start(registry, config.metrics_port)
-    return RunningWorker(config, server, addresses, health_servicer, servicer, executor, warmup,
-                         metrics, probes)
+    return RunningWorker(config, server, addresses, servicer, executor, warmup, metrics)
 
 
 def _bind(server: grpc.aio.Server, config: WorkerConfig) -> list[str]:
@@ -195,12 +182,11 @@ def _bind(server: grpc.aio.Server, config: WorkerConfig) -> list[str]:
     return addresses
 
 
-async def _warm_up(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer) -> None:
+async def _warm_up(servicer: WorkerServicer, server: GrpcServer) -> None:
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(servicer.executor, servicer.load)
     servicer.ready.set()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await server.set_serving(True, overall=True)
     log.info("worker %d ready: %s", servicer.config.rank, servicer.describe.device)
 
 
@@ -213,10 +199,7 @@ async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> No
     the socket -> stop serving metrics. The segment itself belongs to the scheduler and is
     left alone.
     """
-    await worker.health.enter_graceful_shutdown()
-    await worker.server.stop(grace)
-    if worker.probes is not None:
-        await worker.probes.stop()
+    await worker.grpc.stop(grace)
     worker.warmup.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await worker.warmup
@@ -241,7 +224,7 @@ async def _serve(config: WorkerConfig) -> None:
     worker = await create_server(config)
     worker.servicer.on_group_lost = stop.set  # a restarted process re-forms the group
     log.info("worker %d listening on %s%s", config.rank, ", ".join(worker.addresses),
-             f", health only on port {worker.probes.port}" if worker.probes else "")
+             f", health only on port {worker.grpc.probes.port}" if worker.grpc.probes else "")
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({worker.warmup, stopping}, return_when=asyncio.FIRST_COMPLETED)

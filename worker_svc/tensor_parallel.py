@@ -7,8 +7,13 @@ width. ``wqkv``, ``w1`` and ``w3`` keep their slice of output rows (column-paral
 row-parallel outputs gives every rank the full (T, dim) activations again: two
 all-reduces per layer, attached as forward hooks so ``model.py`` keeps one code path.
 
+Biases (Qwen2's q/k/v, Llama's optional attention and MLP ones) follow their weights'
+rows on the column-parallel side; a row-parallel bias is added by rank 0 only (zero on the
+others), so the all-reduced sum holds it once.
+
 Replicated on every rank: embeddings, norms, the output head and the vision encoder
-(small next to the decoder layers of the built-in sizes). Because an all-reduce hands
+(the built-in one and the Qwen2-VL / Qwen2.5-VL towers: a few hundred million parameters
+at most, run once per image, next to the decoder that runs every token). Because an all-reduce hands
 every rank the same bits (gloo and NCCL reduce each element once and share the result),
 every rank computes the same logits and samples the same tokens, so the ranks agree on
 each request's tokens without sending them. NOTE: broadcasting rank 0's sampled tokens
@@ -62,11 +67,33 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
                            reason="TP_SIZE_MISMATCH")
 
 
-def _keep(linear: nn.Linear, dim: int, parts: list[Tensor]) -> None:
-    """Replace ``linear``'s weight by ``parts`` joined along ``dim`` (0 = rows = outputs)."""
+def _keep(linear: nn.Linear, dim: int, parts: list[Tensor],
+          bias: Tensor | None = None) -> None:
+    """Replace ``linear``'s weight by ``parts`` joined along ``dim`` (0 = rows = outputs),
+    and its bias (if it has one) by ``bias``."""
     weight = torch.cat(parts, dim=dim).contiguous()
     linear.weight = nn.Parameter(weight, requires_grad=False)
     linear.out_features, linear.in_features = weight.shape
+    if linear.bias is not None:
+        assert bias is not None and bias.shape == (linear.out_features,), "bias of the shard"
+        linear.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+
+
+def _column(linear: nn.Linear, tp_rank: int, tp: int, sizes: list[int]) -> None:
+    """Keep this rank's slice of each output block of ``sizes`` rows (and bias entries)."""
+    rows = [w.chunk(tp)[tp_rank] for w in linear.weight.split(sizes)]
+    bias = None
+    if linear.bias is not None:
+        bias = torch.cat([b.chunk(tp)[tp_rank] for b in linear.bias.split(sizes)])
+    _keep(linear, 0, rows, bias)
+
+
+def _row(linear: nn.Linear, tp_rank: int, tp: int) -> None:
+    """Keep this rank's slice of input columns; the bias stays whole on rank 0 only."""
+    bias = None
+    if linear.bias is not None:
+        bias = linear.bias if tp_rank == 0 else torch.zeros_like(linear.bias)
+    _keep(linear, 1, [linear.weight.chunk(tp, dim=1)[tp_rank]], bias)
 
 
 def _blocks(model: Transformer) -> list[TransformerBlock]:
@@ -85,14 +112,13 @@ def shard_model(model: Transformer, tp_rank: int, tp: int) -> None:
     check_divisible(model.config, tp)
     for layer in _blocks(model):
         a, f = layer.attention, layer.feed_forward
-        q, k, v = a.wqkv.weight.split([a.q_size, a.kv_size, a.kv_size])  # head-major rows
-        _keep(a.wqkv, 0, [w.chunk(tp)[tp_rank] for w in (q, k, v)])
-        _keep(a.wo, 1, [a.wo.weight.chunk(tp, dim=1)[tp_rank]])
+        _column(a.wqkv, tp_rank, tp, [a.q_size, a.kv_size, a.kv_size])  # head-major rows
+        _row(a.wo, tp_rank, tp)
         a.n_heads, a.n_kv_heads = a.n_heads // tp, a.n_kv_heads // tp
         a.q_size, a.kv_size = a.q_size // tp, a.kv_size // tp
         for w in (f.w1, f.w3):
-            _keep(w, 0, [w.weight.chunk(tp)[tp_rank]])
-        _keep(f.w2, 1, [f.w2.weight.chunk(tp, dim=1)[tp_rank]])
+            _column(w, tp_rank, tp, [w.out_features])
+        _row(f.w2, tp_rank, tp)
 
 
 class TensorParallelGroup:

@@ -15,13 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker_svc.layers import (
-    RMSNorm,
-    apply_rotary,
-    pair_components,
-    rotary_for_positions,
-    rotary_table,
-)
+from worker_svc.layers import RMSNorm, apply_rotary, axial_rotary, rotary_for_positions
 from worker_svc.model_config import ModelConfig
 
 
@@ -84,13 +78,10 @@ class VisionEncoder(nn.Module):
         self.rope_components: Tensor | None = None
 
     def setup_caches(self, device: torch.device) -> None:
-        """Rotary table over ``vision_max_grid`` rows/columns: half the pairs follow the row,
-        half the column, each half with the same frequency spectrum."""
+        """Rotary table over ``vision_max_grid`` rows/columns (``layers.axial_rotary``)."""
         c = self.config
-        half = c.vision_head_dim // 4
-        table = rotary_table(half, c.vision_max_grid, c.rope_theta, device)  # (G, half, 2)
-        self.rope = torch.cat([table, table], dim=1)  # (G, 2*half, 2)
-        self.rope_components = pair_components((half, half), device)
+        self.rope, self.rope_components = axial_rotary(c.vision_head_dim, c.vision_max_grid,
+                                                       c.rope_theta, device)
 
     def forward(self, pixel_values: Tensor, grid_h: int, grid_w: int) -> Tensor:
         """pixel_values (h*w, C*P*P) -> embeddings (h*w/4, dim), raster order over the merge."""

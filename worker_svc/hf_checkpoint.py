@@ -1,0 +1,229 @@
+"""Hugging Face safetensors weights -> a ``Transformer`` built on ``meta``, converted at load.
+
+Files: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``; any of
+bf16/fp16/fp32. Each tensor is read straight to the serving device, cast to the serving
+dtype there, converted, and assigned as the parameter: the weights exist once, on the
+device (no host copy of the model, one tensor at a time in flight).
+
+What the conversion does, once, so that ``forward`` never branches on the format:
+
+* names: both prefixes found in the wild are accepted (``model.layers.*`` or
+  ``model.language_model.layers.*``; ``visual.*`` or ``model.visual.*``). The decoder's
+  names map to Tandem's (``q/k/v_proj`` -> ``wqkv``, ``gate/up/down_proj`` -> ``w1/w3/w2``,
+  ``embed_tokens`` -> ``tok_embeddings``, ``lm_head`` -> ``output``...); the vision
+  towers keep the checkpoint's names (``qwen_vision.py``).
+* q/k/v are fused into one ``wqkv`` (weights and biases).
+* rotary layout: checkpoints rotate half-vectors (pair i = dims i and i + D/2); Tandem
+  rotates interleaved pairs (2i, 2i+1). Rows of every q and k projection (and their biases)
+  are permuted per head so that pair i lands on rows 2i, 2i+1.
+  NOTE: switching Tandem to rotate-half was rejected: the built-in models (and every
+  exported file) would change their outputs, or two rotary code paths would exist.
+  The permutation is exact (a reordering of rows), so scores q.k are unchanged.
+* the Conv3d patch embedding (E, C, T, P, P) is viewed as a Linear (E, C*T*P*P).
+* ``lm_head.weight`` may be absent when ``tie_word_embeddings`` is set (the head is the
+  embedding matrix) and is ignored then.
+
+Every refusal names the file and the checkpoint key: a missing tensor, an unexpected one,
+a wrong shape (with the vocabulary spelled out when the embedding rows disagree with
+``vocab_size``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from tandem.errors import InvalidInput
+from worker_svc.model import Transformer
+from worker_svc.model_config import CONFIG_FILE, WEIGHTS_FILE, ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+# Old Llama checkpoints carry the rotary frequencies as a tensor; Tandem computes them.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# Decoder names: checkpoint (after the prefixes) <-> Tandem. {i} is a layer, {w} weight or
+# bias, {p} the q/k/v part of the fused projection.
+_DECODER = [
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.self_attn.{p}_proj.{w}", "layers.{i}.attention.wqkv.{w}"),
+    ("model.layers.{i}.self_attn.o_proj.{w}", "layers.{i}.attention.wo.{w}"),
+    ("model.layers.{i}.mlp.gate_proj.{w}", "layers.{i}.feed_forward.w1.{w}"),
+    ("model.layers.{i}.mlp.up_proj.{w}", "layers.{i}.feed_forward.w3.{w}"),
+    ("model.layers.{i}.mlp.down_proj.{w}", "layers.{i}.feed_forward.w2.{w}"),
+]
+_GROUPS = {"{i}": r"(?P<i>\d+)", "{w}": "(?P<w>weight|bias)", "{p}": "(?P<p>[qkv])"}
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    regex = re.escape(template)
+    for field, group in _GROUPS.items():
+        regex = regex.replace(re.escape(field), group)
+    return re.compile(regex)
+
+
+_FORWARD = [(_pattern(hf), tandem) for hf, tandem in _DECODER]
+_BACKWARD = [(_pattern(tandem), hf) for hf, tandem in _DECODER]
+_VISION_QKV = re.compile(r"visual\.blocks\.\d+\.attn\.qkv\.(weight|bias)")
+_PATCH_EMBED = "visual.patch_embed.proj.weight"
+
+
+def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Assign every parameter of ``model`` (on ``meta``) from the checkpoint in ``model_dir``."""
+    config = model.config
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("output.weight")
+    state: dict[str, Tensor] = {}
+    source: dict[str, str] = {}  # Tandem name -> "file: checkpoint key", for messages
+    pending: dict[str, dict[str, Tensor]] = {}  # fused wqkv name -> its q, k, v parts
+    present: set[str] = set()  # checkpoint keys read, without their name prefixes
+    for path, keys in _weight_files(model_dir).items():
+        with _open(path, device) as f:
+            for key in keys:
+                name, part = _tandem_name(key)
+                present.add(_unprefixed(key))
+                if name is None or (name == "output.weight" and config.tie_word_embeddings):
+                    continue
+                where = f"{path}: tensor {key!r}"
+                if name not in expected:
+                    raise InvalidInput(f"{where} is not part of a {config.model_type} model "
+                                       "with this config.json", reason="BAD_CHECKPOINT")
+                tensor = _convert(name, f.get_tensor(key).to(dtype), config)
+                if part is None:
+                    state[name], source[name] = tensor, where
+                    continue
+                parts = pending.setdefault(name, {})
+                parts[part] = _check_part(tensor, part, name, config, where)
+                source[name] = where
+                if len(parts) == 3:
+                    state[name] = torch.cat([parts.pop(p) for p in "qkv"])  # (q+2kv, ...)
+                    del pending[name]
+    _check(state, expected, source, present, model_dir, config)
+    if config.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _weight_files(model_dir: Path) -> dict[Path, list[str]]:
+    """Checkpoint keys of each safetensors file, from the single file or the shard index."""
+    single, index = model_dir / WEIGHTS_FILE, model_dir / INDEX_FILE
+    if single.is_file():
+        with _open(single, torch.device("cpu")) as f:
+            return {single: list(f.keys())}
+    if not index.is_file():
+        raise InvalidInput(f"{model_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} next to its "
+                           f"{CONFIG_FILE}", reason="BAD_CHECKPOINT")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files: dict[Path, list[str]] = {}
+        for key, file in weight_map.items():
+            files.setdefault(model_dir / file, []).append(key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidInput(f"{index}: no readable 'weight_map' ({exc})",
+                           reason="BAD_CHECKPOINT") from exc
+    for file in files:
+        if not file.is_file():
+            raise InvalidInput(f"{index}: shard {file.name!r} is missing",
+                               reason="BAD_CHECKPOINT")
+    return files
+
+
+def _open(path: Path, device: torch.device) -> Any:  # safetensors' handle has no type
+    try:
+        return safe_open(str(path), framework="pt", device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise InvalidInput(f"{path}: not a readable safetensors file ({exc})",
+                           reason="BAD_CHECKPOINT") from exc
+
+
+def _unprefixed(key: str) -> str:
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _tandem_name(key: str) -> tuple[str | None, str | None]:
+    """(Tandem parameter name, q/k/v part or None); (None, None) for ignored tensors.
+
+    Unknown names come back unchanged so that the caller refuses them by name."""
+    if _IGNORED.match(key):
+        return None, None
+    key = _unprefixed(key)
+    for pattern, tandem in _FORWARD:
+        m = pattern.fullmatch(key)
+        if m:
+            return tandem.format(**m.groupdict()), m.groupdict().get("p")
+    return key, None
+
+
+def checkpoint_names(name: str) -> list[str]:
+    """The checkpoint keys that make Tandem's parameter ``name`` (q, k, v for ``wqkv``)."""
+    for pattern, hf in _BACKWARD:
+        m = pattern.fullmatch(name)
+        if m:
+            return [hf.format(**m.groupdict(), p=p) for p in ("qkv" if "{p}" in hf else "_")]
+    return [name]
+
+
+def rotate_half_to_interleaved(t: Tensor, head_dim: int) -> Tensor:
+    """Permute the rows of a q or k projection (weight (H*D, in) or bias (H*D,)) so that the
+    rotary pair (i, i + D/2) of every head becomes rows (2i, 2i+1)."""
+    rest = t.shape[1:]
+    heads = t.shape[0] // head_dim
+    t = t.reshape(heads, 2, head_dim // 2, *rest)  # (H, 2, D/2, ...): halves of each head
+    return t.transpose(1, 2).reshape(heads * head_dim, *rest)  # (H*D, ...), pairs interleaved
+
+
+def _convert(name: str, t: Tensor, config: ModelConfig) -> Tensor:
+    """Layout changes of tensors that are not fused (the vision tower's)."""
+    if name == _PATCH_EMBED and t.dim() == 5:
+        return t.reshape(t.shape[0], -1)  # (E, C, T, P, P) -> (E, C*T*P*P)
+    if _VISION_QKV.fullmatch(name) and t.shape[0] % 3 == 0:
+        q, k, v = t.chunk(3)  # (3*dim, ...) -> 3 x (dim, ...)
+        d = config.vision_head_dim
+        return torch.cat([rotate_half_to_interleaved(q, d), rotate_half_to_interleaved(k, d), v])
+    return t
+
+
+def _check_part(t: Tensor, part: str, name: str, config: ModelConfig, where: str) -> Tensor:
+    """A q, k or v projection: check its rows, then permute q and k to interleaved pairs."""
+    heads = config.n_heads if part == "q" else config.n_kv_heads
+    rows = heads * config.head_dim
+    if t.shape[0] != rows:
+        raise InvalidInput(f"{where} has shape {tuple(t.shape)}; {heads} heads of "
+                           f"{config.head_dim} need {rows} rows", reason="BAD_CHECKPOINT")
+    return t if part == "v" else rotate_half_to_interleaved(t, config.head_dim)
+
+
+def _check(state: dict[str, Tensor], expected: dict[str, tuple[int, ...]],
+           source: dict[str, str], present: set[str], model_dir: Path,
+           config: ModelConfig) -> None:
+    """Every expected parameter present with its shape, or an error naming the tensor."""
+    for name, shape in expected.items():
+        if name not in state:
+            missing = [k for k in checkpoint_names(name) if k not in present]
+            raise InvalidInput(f"{model_dir}: the checkpoint has no tensor {missing[0]!r} "
+                               f"(none under either name prefix), which {CONFIG_FILE} needs",
+                               reason="BAD_CHECKPOINT")
+        got = tuple(state[name].shape)
+        if got == shape:
+            continue
+        if name in ("tok_embeddings.weight", "output.weight") and got[1:] == shape[1:]:
+            raise InvalidInput(f"{source[name]} has {got[0]} rows but {CONFIG_FILE} says "
+                               f"vocab_size {config.vocab_size}", reason="BAD_CHECKPOINT")
+        raise InvalidInput(f"{source[name]} has shape {got}, expected {shape} from "
+                           f"{CONFIG_FILE}", reason="BAD_CHECKPOINT")
