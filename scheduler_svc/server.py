@@ -9,18 +9,13 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.worker_client import WorkerPool
-from tandem import tracing
-from tandem.errors import ErrorMappingInterceptor
-from tandem.health_port import HealthPort
+from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
 from tandem.processor_cache import (
     LruProcessorCache,
@@ -39,23 +34,21 @@ SHUTDOWN_GRACE_S = 5.0
 
 @dataclass
 class SchedulerServer:
-    server: grpc.aio.Server
+    grpc: GrpcServer
     port: int
     engine: Engine
     cache: ProcessorCache
     workers: WorkerPool
-    health: health.aio.HealthServicer
     metrics: MetricsEndpoint | None = None
-    probes: HealthPort | None = None  # the plaintext health port, if any
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
         ``grace``) -> abort the rest -> close worker channels -> unlink the segment ->
         stop serving metrics."""
-        await self.health.enter_graceful_shutdown()
-        stopping = self.server.stop(grace)
-        if self.probes is not None:
-            await self.probes.stop()
+        await self.grpc.health.enter_graceful_shutdown()
+        stopping = self.grpc.server.stop(grace)
+        if self.grpc.probes is not None:
+            await self.grpc.probes.stop()
         await self.engine.stop()
         await stopping
         await self.workers.close()
@@ -83,12 +76,14 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     credentials = server_credentials(config.tls)  # bad TLS files fail before anything starts
     cache = make_cache(config)
     workers = WorkerPool(list(config.worker_addresses))
-    health_servicer = health.aio.HealthServicer()
+    limits = config.limits
+    public = GrpcServer.create(SERVICE_NAME, [
+        ("grpc.max_receive_message_length", limits.max_images * limits.max_image_bytes + (1 << 20)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
 
     def on_serving(serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        asyncio.get_running_loop().create_task(health_servicer.set(SERVICE_NAME, status))
+        asyncio.get_running_loop().create_task(public.set_serving(serving))
 
     engine = Engine(config, cache, workers, on_serving)
     registry = CollectorRegistry() if config.metrics_port else None
@@ -96,45 +91,22 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     if registry is not None:
         registry.register(SnapshotCollector(lambda: metric_values(engine)))
         latency = RequestLatency(registry)
-    limits = config.limits
-    max_message = limits.max_images * limits.max_image_bytes + (1 << 20)
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor()]
-    if tracing.enabled():
-        interceptors.insert(0, tracing.ServerSpanInterceptor([SERVICE_NAME]))
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", max_message),
-                 ("grpc.keepalive_permit_without_calls", 1),
-                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, latency),
-                                                       server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = (server.add_secure_port(config.listen, credentials) if credentials
-            else server.add_insecure_port(config.listen))
-    await server.start()
-    probes = None
+                                                       public.server)
     try:
-        probes = await HealthPort.start(health_servicer, config.health_listen)
+        port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
-        await server.stop(0)
-        if probes is not None:
-            await probes.stop()
+        await public.stop(0)
         await engine.stop()
         await workers.close()
         cache.close()
         raise
-    tls = "mutual TLS" if config.tls.ca else "TLS" if credentials else "plaintext"
     log.info("scheduler serving %s on port %d, %s (%d workers, cache %s)", SERVICE_NAME, port,
-             tls, config.num_workers, cache.kind)
-    return SchedulerServer(server, port, engine, cache, workers, health_servicer, metrics,
-                           probes)
+             tls_mode(credentials, config.tls.ca), config.num_workers, cache.kind)
+    return SchedulerServer(public, port, engine, cache, workers, metrics)
 
 
 def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:

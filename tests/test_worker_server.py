@@ -73,7 +73,7 @@ async def _scenario(tmp_path: Path) -> None:
             assert list((await step).sampled) == ["long"]
     finally:
         await shutdown(worker)
-    assert await worker.health.Check(health_pb2.HealthCheckRequest(), None) == \
+    assert await worker.grpc.health.Check(health_pb2.HealthCheckRequest(), None) == \
         health_pb2.HealthCheckResponse(status=NOT_SERVING)
     assert not config.socket_path.exists()
 
@@ -88,8 +88,8 @@ async def _health_port_scenario(tmp_path: Path) -> None:
     worker = await create_server(config)
     try:
         assert worker.addresses == [f"unix://{config.socket_path}"], "no Worker API on TCP"
-        assert worker.probes is not None
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.probes.port}") as channel:
+        assert worker.grpc.probes is not None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.grpc.probes.port}") as channel:
             await worker.warmup
             assert await _health(channel) == SERVING
             assert await _health(channel, SERVICE_NAME) == SERVING
@@ -104,7 +104,7 @@ async def _health_port_scenario(tmp_path: Path) -> None:
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await shutdown(worker)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.probes.port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.grpc.probes.port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _health(channel)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, "closed on shutdown"
