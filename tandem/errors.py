@@ -24,10 +24,17 @@ ERROR_DOMAIN = "tandem.dev"
 
 
 class TandemError(Exception):
-    """Base of the errors a client may see; subclasses fix the status code."""
+    """Base of the errors a client may see; subclasses fix the status code and the default
+    reason in their class statement: ``class X(TandemError, code=..., reason=...)``."""
 
     code = grpc.StatusCode.INTERNAL
     default_reason = "INTERNAL"
+
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, reason: str = "",
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code, cls.default_reason = code, reason or code.name
 
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
@@ -35,29 +42,25 @@ class TandemError(Exception):
         self.reason = reason or self.default_reason
 
 
-class InvalidInput(TandemError, ValueError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    default_reason = "INVALID_INPUT"
+class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMENT,
+                   reason="INVALID_INPUT"):
+    pass
 
 
-class ResourceExhausted(TandemError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    default_reason = "RESOURCE_EXHAUSTED"
+class ResourceExhausted(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
+    pass
 
 
-class Unavailable(TandemError):
-    code = grpc.StatusCode.UNAVAILABLE
-    default_reason = "UNAVAILABLE"
+class Unavailable(TandemError, code=grpc.StatusCode.UNAVAILABLE):
+    pass
 
 
-class FailedPrecondition(TandemError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    default_reason = "FAILED_PRECONDITION"
+class FailedPrecondition(TandemError, code=grpc.StatusCode.FAILED_PRECONDITION):
+    pass
 
 
-class Aborted(TandemError):
-    code = grpc.StatusCode.ABORTED
-    default_reason = "ABORTED"
+class Aborted(TandemError, code=grpc.StatusCode.ABORTED):
+    pass
 
 
 def classify(exc: BaseException) -> TandemError:
@@ -149,9 +152,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
         try:
             return await fn(request, context)
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            await abort(context, exc)
+            await _fail(context, exc)
 
     return call
 
@@ -162,13 +163,12 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
             async for item in fn(request, context):
                 yield item
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            await abort(context, exc)
+            await _fail(context, exc)
 
     return call
 
 
-def _is_abort(exc: Exception) -> bool:
-    # context.abort() raises AbortError; it must pass through unchanged.
-    return isinstance(exc, grpc.aio.AbortError)
+async def _fail(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort() was called: pass it through
+        raise exc
+    await abort(context, exc)
