@@ -1,0 +1,233 @@
+""":class:`~tandem.text.tokenizer.Tokenizer` over a Hugging Face model directory's tokenizer files.
+
+Files read: ``tokenizer.json`` (required: the ``tokenizers`` library runs it as is),
+``tokenizer_config.json``, ``generation_config.json`` and ``config.json`` (optional), and
+the chat template (:mod:`tandem.text.chat_template`). What transformers 5 does with them,
+and so what this does (facts from its source, the code is ours):
+
+* ``add_special_tokens`` adds what ``tokenizer.json``'s post-processor adds (Llama 3's
+  BOS; nothing for Qwen2 and SmolLM2). With a ``tokenizer.json`` present, transformers 5
+  ignores ``add_bos_token``/``add_eos_token`` in ``tokenizer_config.json``, so this does.
+* ``added_tokens_decoder`` in ``tokenizer_config.json`` is applied on top of
+  ``tokenizer.json``'s added tokens (it may mark a token special); an entry whose id does
+  not match is an error here, where transformers would silently renumber.
+* Decoding skips special tokens through the library; ``clean_up_tokenization_spaces``
+  is ignored for BPE models as transformers 5 does (and refused for others, which this
+  does not stream).
+
+Special ids: BOS is ``bos_token`` of ``tokenizer_config.json`` (None if unset); the EOS
+ids are ``eos_token_id`` of ``generation_config.json`` (an int or a list, what
+``generate`` stops at), else of ``config.json`` (or its ``text_config``), else the
+tokenizer's ``eos_token``; PAD is ``pad_token``, else ``pad_token_id`` of the generation
+config. The image placeholder is ``image_token_id`` of ``config.json``, wrapped in
+``vision_start_token_id``/``vision_end_token_id`` when the config has them (Qwen2-VL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from tandem.errors import InvalidInput
+from tandem.text.chat_template import ChatMessage, ChatTemplate, load_chat_template
+from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
+from tandem.text.model_files import BAD_MODEL, bad_key, read_json
+from tandem.text.tokenizer import ImageTokens, SpecialTokens
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+CONFIG_FILE = "config.json"
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+class HFTokenizer:
+    """A loaded model tokenizer; build it with :meth:`from_dir`."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, special: SpecialTokens,
+                 image: ImageTokens | None, template: ChatTemplate | None,
+                 model_dir: Path) -> None:
+        self._backend = backend
+        self._special = special
+        self._image = image
+        self._template = template
+        self._model_dir = model_dir
+        self._special_ids = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def special(self) -> SpecialTokens:
+        return self._special
+
+    @property
+    def image(self) -> ImageTokens | None:
+        return self._image
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return StreamDecoder(self.decode, self._special_ids)
+
+    def render_chat(self, messages: Sequence[ChatMessage],
+                    add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise InvalidInput(f"the model at {self._model_dir} has no chat template; send a "
+                               "prompt instead of messages", "NO_CHAT_TEMPLATE")
+        return self._template.render(messages, add_generation_prompt)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> HFTokenizer:
+        """Load and check every file; any problem is InvalidInput naming the file and key."""
+        root = Path(model_dir)
+        backend = _backend(root / TOKENIZER_FILE)
+        config_path = root / TOKENIZER_CONFIG_FILE
+        tok_config = read_json(config_path, required=False) or {}
+        _apply_added_tokens(backend, tok_config, config_path)
+        if (tok_config.get("clean_up_tokenization_spaces")
+                and type(backend.model).__name__ != "BPE"):
+            raise bad_key(config_path, "clean_up_tokenization_spaces",
+                          "is true for a non-BPE tokenizer, which Tandem does not support")
+        token_vars = _token_variables(tok_config, config_path)
+        gen_config = read_json(root / GENERATION_CONFIG_FILE, required=False) or {}
+        model_config = read_json(root / CONFIG_FILE, required=False) or {}
+
+        def token_id(key: str) -> int | None:
+            if key not in token_vars:
+                return None
+            tid = backend.token_to_id(token_vars[key])
+            if tid is None:
+                raise bad_key(config_path, key,
+                              f"{token_vars[key]!r} is not in {TOKENIZER_FILE}'s vocabulary")
+            return tid
+
+        eos_ids = (_ids(gen_config, "eos_token_id", root / GENERATION_CONFIG_FILE)
+                   or _ids(_text_config(model_config), "eos_token_id", root / CONFIG_FILE))
+        if not eos_ids:
+            eos = token_id("eos_token")
+            if eos is None:
+                raise bad_key(config_path, "eos_token",
+                              f"missing, and no eos_token_id in {GENERATION_CONFIG_FILE} or "
+                              f"{CONFIG_FILE}: the model has no end-of-sequence token")
+            eos_ids = (eos,)
+        pad_id = token_id("pad_token")
+        if pad_id is None:
+            pad = _ids(gen_config, "pad_token_id", root / GENERATION_CONFIG_FILE)
+            pad_id = pad[0] if pad else None
+        special = SpecialTokens(bos_id=token_id("bos_token"), eos_ids=eos_ids, pad_id=pad_id)
+        vocab = backend.get_vocab_size(with_added_tokens=True)
+        for name, ids in (("eos_token_id", special.eos_ids), ("pad_token_id", (pad_id,))):
+            bad = [i for i in ids if i is not None and not 0 <= i < vocab]
+            if bad:
+                where = (root / GENERATION_CONFIG_FILE if name in gen_config
+                         else root / CONFIG_FILE)
+                raise bad_key(where, name, f"{bad} outside the tokenizer's {vocab} ids")
+        image = _image_tokens(backend, model_config, root / CONFIG_FILE)
+        template = load_chat_template(root, tok_config, token_vars)
+        return cls(backend, special, image, template, root)
+
+
+def _backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise InvalidInput(f"{path}: file missing (Tandem reads the tokenizer from "
+                           f"{TOKENIZER_FILE}; save the tokenizer with transformers to make one)",
+                           BAD_MODEL)
+    read_json(path, required=True)  # a JSON error with its line, before the library's own
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception for any bad content
+        raise InvalidInput(f"{path}: not a tokenizer the tokenizers library can load ({exc})",
+                           BAD_MODEL) from exc
+
+
+def _apply_added_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any],
+                        path: Path) -> None:
+    """``added_tokens_decoder`` on top of tokenizer.json, as transformers applies it."""
+    entries = config.get("added_tokens_decoder") or {}
+    if not isinstance(entries, dict):
+        raise bad_key(path, "added_tokens_decoder", "must be an object of id -> token")
+    current = backend.get_added_tokens_decoder()
+    for key, entry in sorted(entries.items(), key=lambda kv: _int_key(path, kv[0])):
+        tid = _int_key(path, key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise bad_key(path, f"added_tokens_decoder.{key}", "must have a string 'content'")
+        flags = {f: bool(entry[f]) for f in _ADDED_TOKEN_FLAGS if f in entry}
+        token = tokenizers.AddedToken(entry["content"], **flags)
+        known = current.get(tid)
+        if known is not None and repr(known) == repr(token):
+            continue
+        backend.add_tokens([token])
+        if backend.token_to_id(entry["content"]) != tid:
+            raise bad_key(path, f"added_tokens_decoder.{key}",
+                          f"{entry['content']!r} has id {backend.token_to_id(entry['content'])} "
+                          f"in {TOKENIZER_FILE}")
+
+
+def _int_key(path: Path, key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise bad_key(path, f"added_tokens_decoder.{key}", "is not an integer id") from None
+
+
+def _token_variables(config: Mapping[str, Any], path: Path) -> dict[str, str]:
+    """Every named token (``bos_token``, ``image_token``...): the chat template's variables."""
+    named: dict[str, Any] = {k: v for k, v in config.items() if k.endswith("_token")}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        named.update(extra)
+    out: dict[str, str] = {}
+    for key, value in named.items():
+        if isinstance(value, dict):
+            value = value.get("content")
+            if not isinstance(value, str):
+                raise bad_key(path, key, "must be a string or a token with a string 'content'")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's part of config.json: nested (current VLM form) or the top level."""
+    nested = config.get("text_config")
+    if isinstance(nested, dict) and "eos_token_id" in nested and "eos_token_id" not in config:
+        return nested
+    return config
+
+
+def _ids(config: Mapping[str, Any], key: str, path: Path) -> tuple[int, ...]:
+    value = config.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise bad_key(path, key, f"must be an integer or a list of integers, got {value!r}")
+    return tuple(values)
+
+
+def _image_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any],
+                  path: Path) -> ImageTokens | None:
+    pad = _ids(config, "image_token_id", path)
+    if not pad:
+        return None
+    parts = []
+    for key in ("vision_start_token_id", "image_token_id", "vision_end_token_id"):
+        ids = _ids(config, key, path)
+        if not ids:
+            continue
+        text = backend.id_to_token(ids[0])
+        if text is None:
+            raise bad_key(path, key, f"{ids[0]} is not in {TOKENIZER_FILE}'s vocabulary")
+        parts.append(text)
+    return ImageTokens(marker="".join(parts), pad_id=pad[0])
