@@ -2,15 +2,27 @@
 
 The output layout is a contract with the worker's vision tower:
 
-* ``pixel_values``: float32, shape ``(h * w, 3 * P * P)``: one row per patch, patches in
-  raster order over the ``(h, w)`` patch grid, each patch flattened in ``(C, P, P)``
-  order, values ``(x - mean) / std`` of RGB in [0, 1];
+* ``pixel_values``: float32, shape ``(h * w, 3 * T * P * P)``: one row per patch, each
+  flattened in ``(C, T, P, P)`` order, the still image repeated over the ``T =
+  temporal_patch_size`` frames (1 for the built-in models, 2 for Qwen2-VL, whose patch
+  embedding is a Conv3d over two frames); values ``(x * rescale_factor - mean) / std``;
+* patch order: ``raster`` over the ``(h, w)`` grid (built-in models), or
+  ``merge_window``: the ``merge_size x merge_size`` patches of one merged token
+  consecutive, windows in raster order (Qwen2-VL's merger takes 4 consecutive rows);
 * ``image_grid_thw``: int64, shape ``(1, 3)`` = ``[[1, h, w]]``, with ``h`` and ``w``
-  even (multiples of ``merge_size``), kept on CPU;
-* the image takes ``h * w // merge_size**2`` placeholder tokens (after the 2x2 merge).
+  multiples of ``merge_size``, kept on CPU;
+* the image takes ``h * w // merge_size**2`` placeholder tokens (after the merge).
+
+For a Qwen2-VL / Qwen2.5-VL checkpoint (:meth:`ImageProcessorConfig.from_pretrained_dir`)
+the grid and the pixels of an encoded image are bit-identical to transformers'
+``Qwen2VLImageProcessorPil`` (the PIL backend; v4's ``Qwen2VLImageProcessor``): the same
+smart resize, the same PIL resample of the 8-bit RGB image, transparency composited on
+white, then the same float64 rescale and float32 normalisation. The built-in presets'
+output is unchanged by those settings (their defaults reproduce it exactly).
 
 Every rejection of client data raises :class:`tandem.errors.InvalidInput` with a message
-for the client; a bad configuration raises ``ValueError`` at construction.
+for the client; a bad configuration raises ``ValueError`` at construction, and a bad
+``preprocessor_config.json`` ``InvalidInput`` naming the file and key.
 """
 
 from __future__ import annotations
@@ -19,12 +31,15 @@ import hashlib
 import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
 from tandem.errors import InvalidInput
+from tandem.text.model_files import bad_key, read_json
 
 # Same bound as Qwen2-VL: beyond it one side would shrink to a single merged patch.
 MAX_ASPECT_RATIO = 200
@@ -32,6 +47,12 @@ MAX_ASPECT_RATIO = 200
 _HASH_VERSION = b"tandem.image.v1"
 _MAGIC = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG"}
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+PREPROCESSOR_FILE = "preprocessor_config.json"
+PatchOrder = Literal["raster", "merge_window"]
+# transformers' names of the Qwen2-VL image processor (Qwen2.5-VL uses the same one).
+_QWEN2_VL_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast",
+                        "Qwen2VLImageProcessorPil")
+_RESAMPLES = {int(r) for r in Image.Resampling}
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,12 @@ class ImageProcessorConfig:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    temporal_patch_size: int = 1
+    patch_order: PatchOrder = "raster"
+    resample: int = Image.Resampling.BICUBIC  # a PIL resampling filter
+    rescale_factor: float = 1 / 255  # 8-bit values times this; then (x - mean) / std
+    # RGB that transparent pixels are composited on; None: drop the alpha channel.
+    alpha_background: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         factor = self.patch_size * self.merge_size
@@ -65,15 +92,78 @@ class ImageProcessorConfig:
             raise ValueError("mean and std need 3 values each, std positive")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
             raise ValueError("max_image_bytes and max_image_pixels must be positive")
+        if self.temporal_patch_size < 1:
+            raise ValueError("temporal_patch_size must be positive")
+        if self.patch_order not in ("raster", "merge_window"):
+            raise ValueError(f"patch_order must be raster or merge_window, got {self.patch_order}")
+        if self.resample not in _RESAMPLES:
+            raise ValueError(f"resample must be a PIL filter {sorted(_RESAMPLES)}, "
+                             f"got {self.resample}")
+        if not self.rescale_factor > 0:
+            raise ValueError("rescale_factor must be positive")
+        bg = self.alpha_background
+        if bg is not None and (len(bg) != 3 or not all(0 <= v <= 255 for v in bg)):
+            raise ValueError("alpha_background must be 3 values in 0..255")
 
     @property
     def factor(self) -> int:
         """Pixels per side of one merged patch: resized sides are multiples of it."""
         return self.patch_size * self.merge_size
 
+    @classmethod
+    def from_pretrained_dir(cls, model_dir: str | Path) -> ImageProcessorConfig:
+        """The processing of a Qwen2-VL / Qwen2.5-VL checkpoint's ``preprocessor_config.json``.
+
+        Keys absent from the file take the values transformers' processor class
+        defaults to (patch 14, merge 2, temporal patch 2, 56*56..28*28*1280 pixels, CLIP
+        mean and std, bicubic, 1/255). ``min_pixels``/``max_pixels`` win over
+        ``size.shortest_edge``/``size.longest_edge`` (both are pixel counts). The limits
+        on what clients send keep their defaults: replace them with
+        ``dataclasses.replace``.
+        """
+        path = Path(model_dir) / PREPROCESSOR_FILE
+        raw = read_json(path, required=True)
+        assert raw is not None  # required=True raises instead
+        kind = raw.get("image_processor_type")
+        if kind not in _QWEN2_VL_PROCESSORS:
+            raise bad_key(path, "image_processor_type",
+                          f"is {kind!r}; Tandem supports {', '.join(_QWEN2_VL_PROCESSORS)}")
+        for flag in ("do_resize", "do_convert_rgb"):
+            if raw.get(flag, True) is not True:
+                raise bad_key(path, flag, "must be true (Tandem always resizes to whole "
+                                          "patches and converts to RGB)")
+        size = raw.get("size") or {}
+        if not isinstance(size, dict):
+            raise bad_key(path, "size", "must be an object")
+        do_rescale = _get(path, raw, "do_rescale", bool, True)
+        do_normalize = _get(path, raw, "do_normalize", bool, True)
+        mean = _get(path, raw, "image_mean", list, list(_CLIP_MEAN))
+        std = _get(path, raw, "image_std", list, list(_CLIP_STD))
+        try:
+            return cls(
+                patch_size=_get(path, raw, "patch_size", int, 14),
+                merge_size=_get(path, raw, "merge_size", int, 2),
+                temporal_patch_size=_get(path, raw, "temporal_patch_size", int, 2),
+                min_pixels=_get(path, raw, "min_pixels", int,
+                                _get(path, size, "shortest_edge", int, 56 * 56, "size.")),
+                max_pixels=_get(path, raw, "max_pixels", int,
+                                _get(path, size, "longest_edge", int, 28 * 28 * 1280, "size.")),
+                mean=tuple(mean) if do_normalize else (0.0, 0.0, 0.0),  # type: ignore[arg-type]
+                std=tuple(std) if do_normalize else (1.0, 1.0, 1.0),  # type: ignore[arg-type]
+                resample=_get(path, raw, "resample", int, int(Image.Resampling.BICUBIC)),
+                rescale_factor=(_get(path, raw, "rescale_factor", float, 1 / 255)
+                                if do_rescale else 1.0),
+                patch_order="merge_window", alpha_background=(255, 255, 255))
+        except ValueError as exc:  # the dataclass's own checks, now about the file
+            raise InvalidInput(f"{path}: {exc}", "BAD_MODEL") from exc
+
 
 def decode_image(data: bytes, limits: ImageProcessorConfig) -> Image.Image:
-    """An RGB image from PNG or JPEG bytes, refusing oversized, unknown or corrupt input."""
+    """An RGB image from PNG or JPEG bytes, refusing oversized, unknown or corrupt input.
+
+    Transparency is composited on ``limits.alpha_background`` when set (as transformers'
+    ``convert_to_rgb`` does on white), else the alpha channel is dropped.
+    """
     if len(data) > limits.max_image_bytes:
         raise InvalidInput(
             f"image is {len(data)} bytes; the limit is {limits.max_image_bytes}",
@@ -101,15 +191,27 @@ def decode_image(data: bytes, limits: ImageProcessorConfig) -> Image.Image:
         ) from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"{fmt} image is corrupt or truncated", reason="IMAGE_CORRUPT") from exc
-    return img if img.mode == "RGB" else img.convert("RGB")
+    if img.mode == "RGB":
+        return img
+    bg = limits.alpha_background
+    if bg is not None and ("A" in img.getbands() or img.info.get("transparency") is not None):
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*bg, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
     """Target ``(height, width)``: multiples of ``cfg.factor``, about the same aspect ratio.
 
-    Rounds each side to the nearest multiple; if the area leaves ``[min_pixels,
-    max_pixels]`` both sides are scaled by one factor first. The area never exceeds
-    ``max_pixels``; it reaches ``min_pixels`` unless that would break the maximum.
+    Qwen2-VL's rule, step for step: round each side to the nearest multiple (a side
+    under half a merged patch rounds to 0); if that area is over ``max_pixels`` scale
+    both sides down by one factor and floor (at least one merged patch), if under
+    ``min_pixels`` scale up and ceil. So a 10x1000 image becomes 28x560, not 28x1008.
+
+    NOTE: one departure, kept on purpose: where that rule lands over ``max_pixels``
+    (only when a side clamped to one merged patch, at aspect ratios beyond
+    ``max_pixels / factor**2``: never with Qwen's shipped configs) the longer side is cut
+    back, because the scheduler's token budget relies on the maximum.
     """
     f = cfg.factor
     if height < 1 or width < 1:
@@ -120,7 +222,7 @@ def smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[in
             f"{MAX_ASPECT_RATIO}",
             reason="IMAGE_ASPECT_RATIO",
         )
-    h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
+    h, w = round(height / f) * f, round(width / f) * f
     if h * w > cfg.max_pixels:
         beta = math.sqrt(height * width / cfg.max_pixels)
         h = max(f, math.floor(height / beta / f) * f)
@@ -143,17 +245,20 @@ def process_image(
     """``(pixel_values, image_grid_thw)`` in the layout of the module docstring.
 
     ``image`` is a decoded image, or float pixels shaped ``(H, W, 3)`` in [0, 1] (the
-    public API's raw tensor path), which are resized in float without quantising.
+    public API's raw tensor path), which are resized in float without quantising and
+    not rescaled (they are in [0, 1] already).
     """
     rgb = _resized_rgb(image, cfg) if isinstance(image, Image.Image) else _resized_array(image, cfg)
     height, width, _ = rgb.shape
-    p = cfg.patch_size
+    p, t = cfg.patch_size, cfg.temporal_patch_size
+    g = cfg.merge_size if cfg.patch_order == "merge_window" else 1  # patches kept together
     h, w = height // p, width // p
     x = torch.from_numpy(rgb)  # (H, W, C)
     x = (x - torch.tensor(cfg.mean)) / torch.tensor(cfg.std)
-    x = x.view(h, p, w, p, 3)  # (h, P, w, P, C)
-    x = x.permute(0, 2, 4, 1, 3)  # (h, w, C, P, P)
-    pixel_values = x.reshape(h * w, 3 * p * p).to(torch.float32)  # (h*w, C*P*P)
+    x = x.view(h // g, g, p, w // g, g, p, 3)  # (h/g, g, P, w/g, g, P, C)
+    x = x.permute(0, 3, 1, 4, 6, 2, 5)  # (h/g, w/g, g, g, C, P, P)
+    x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # (h/g, w/g, g, g, C, T, P, P)
+    pixel_values = x.reshape(h * w, 3 * t * p * p).to(torch.float32)  # (h*w, C*T*P*P)
     image_grid_thw = torch.tensor([[1, h, w]], dtype=torch.int64)  # (1, 3)
     return pixel_values, image_grid_thw
 
@@ -167,12 +272,16 @@ def num_image_tokens(image_grid_thw: torch.Tensor, merge_size: int) -> int:
 
 
 def _resized_rgb(img: Image.Image, cfg: ImageProcessorConfig) -> np.ndarray:
-    """(H, W, 3) float32 in [0, 1]; resized as 8-bit RGB (fast, as decoded files are)."""
+    """(H, W, 3) float32 values times ``rescale_factor``; resized as 8-bit RGB.
+
+    The rescale is float64 then rounded to float32, as transformers does; for 1/255 it
+    equals a float32 division for all 256 values, so the built-in output is unchanged.
+    """
     rgb = img if img.mode == "RGB" else img.convert("RGB")
     height, width = smart_resize(rgb.height, rgb.width, cfg)
     if (height, width) != (rgb.height, rgb.width):
-        rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
-    return np.asarray(rgb, dtype=np.float32) / 255.0
+        rgb = rgb.resize((width, height), Image.Resampling(cfg.resample))
+    return (np.asarray(rgb, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
 
 
 def _resized_array(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
@@ -185,7 +294,7 @@ def _resized_array(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
     channels = [
         np.asarray(
             Image.fromarray(np.ascontiguousarray(src[:, :, c])).resize(
-                (width, height), Image.Resampling.BICUBIC
+                (width, height), Image.Resampling(cfg.resample)
             )
         )
         for c in range(3)
@@ -229,9 +338,11 @@ def mm_hash(content: bytes | np.ndarray, cfg: ImageProcessorConfig, salt: str) -
     output are included, so a reconfigured processor never reuses stale features; the
     salt keeps tenants' caches apart.
     """
-    settings = repr(
-        (cfg.patch_size, cfg.merge_size, cfg.min_pixels, cfg.max_pixels, cfg.mean, cfg.std)
-    ).encode()
+    settings = repr((
+        cfg.patch_size, cfg.merge_size, cfg.min_pixels, cfg.max_pixels, cfg.mean, cfg.std,
+        cfg.temporal_patch_size, cfg.patch_order, cfg.resample, cfg.rescale_factor,
+        cfg.alpha_background,
+    )).encode()
     if isinstance(content, np.ndarray):
         arr = np.ascontiguousarray(content)
         head = f"array:{arr.dtype.str}:{arr.shape}".encode()
@@ -249,6 +360,27 @@ def mm_hash_from_uuid(uuid: str, salt: str, grid: tuple[int, int]) -> str:
     """
     size = b"%dx%d" % grid
     return _digest(_HASH_VERSION, b"uuid", uuid.encode(), salt.encode(), size)
+
+
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _get(path: Path, raw: dict[str, Any], key: str, kind: type, default: Any,
+         prefix: str = "") -> Any:
+    """``raw[key]`` checked to be a ``kind`` (ints accepted as floats), else ``default``."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if kind is list:
+        ok = ok and len(value) == 3 and all(isinstance(v, int | float) for v in value)
+    if not ok:
+        wanted = "3 numbers" if kind is list else kind.__name__
+        raise bad_key(path, prefix + key, f"must be {wanted}, got {value!r}")
+    return value
 
 
 def _digest(*parts: bytes | memoryview) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import zlib
 
@@ -220,3 +221,123 @@ def test_uuid_hash_depends_on_uuid_salt_and_size_only() -> None:
     assert mm_hash_from_uuid("u", "", g) != mm_hash_from_uuid("u", "s", g)
     assert mm_hash_from_uuid("u", "s", g) != mm_hash_from_uuid("us", "", g)
     assert mm_hash_from_uuid("u", "", g) != mm_hash_from_uuid("u", "", (84, 56))
+
+
+# --- Hugging Face checkpoints: preprocessor_config.json and transformers as reference ---
+
+_SWEEP = [  # (height, width): tiny, square, odd, both extreme aspect ratios, huge
+    (1, 1), (3, 5), (28, 28), (56, 84), (100, 200), (333, 517), (10, 1000), (1000, 10),
+    (10, 1999), (1999, 10), (1, 150), (15, 2990), (2000, 1500), (3000, 4000),
+]
+
+
+def _qwen_dir(tmp_path, **overrides) -> tuple[object, ImageProcessorConfig]:
+    """A preprocessor_config.json saved by transformers, its reference and Tandem's config."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    ref = Qwen2VLImageProcessorPil(**overrides)
+    ref.save_pretrained(tmp_path)
+    return ref, ImageProcessorConfig.from_pretrained_dir(tmp_path)
+
+
+def _image_for(height: int, width: int) -> Image.Image:
+    # Noise where the PNG stays small; a gradient for the huge ones (under the byte limit).
+    return _noise(height, width) if height * width <= 1_000_000 else _gradient(height, width)
+
+
+def _assert_same_as_reference(ref, cfg: ImageProcessorConfig, png: bytes) -> None:
+    pixel_values, grid = process_image(decode_image(png, cfg), cfg)
+    expected = ref(images=[Image.open(io.BytesIO(png))], return_tensors="np")
+    assert grid.tolist() == expected["image_grid_thw"].tolist()
+    assert pixel_values.dtype == torch.float32
+    assert np.array_equal(pixel_values.numpy(), expected["pixel_values"])  # bit-identical
+
+
+@pytest.mark.parametrize(("height", "width"), _SWEEP)
+def test_qwen2_vl_pixels_and_grid_are_bit_identical_to_transformers(tmp_path, height, width):
+    ref, cfg = _qwen_dir(tmp_path)
+    _assert_same_as_reference(ref, cfg, _encode(_image_for(height, width), "PNG"))
+
+
+def test_qwen2_vl_rows_are_c_t_p_p_in_merge_windows(tmp_path) -> None:
+    _, cfg = _qwen_dir(tmp_path)
+    pixels = np.random.default_rng(2).random((56, 84, 3), dtype=np.float32)  # no resize
+    pixel_values, grid = process_image(pixels, cfg)
+    p, m = cfg.patch_size, cfg.merge_size
+    assert grid.tolist() == [[1, 4, 6]] and pixel_values.shape == (24, 3 * 2 * p * p)
+    mean, std = np.array(cfg.mean, np.float32), np.array(cfg.std, np.float32)
+    row = 0
+    for wi in range(2):  # merge windows in raster order, their 2x2 patches consecutive
+        for wj in range(3):
+            for i in range(m):
+                for j in range(m):
+                    y, x = (wi * m + i) * p, (wj * m + j) * p
+                    patch = ((pixels[y:y + p, x:x + p] - mean) / std).transpose(2, 0, 1)
+                    frames = np.stack([patch, patch], axis=1)  # (C, T, P, P): still frame twice
+                    np.testing.assert_allclose(pixel_values[row].numpy(), frames.reshape(-1),
+                                               rtol=1e-6)
+                    row += 1
+
+
+def test_transparency_is_composited_on_white_like_transformers(tmp_path) -> None:
+    ref, cfg = _qwen_dir(tmp_path)
+    rgba = np.random.default_rng(3).integers(0, 256, (60, 90, 4), dtype=np.uint8)
+    _assert_same_as_reference(ref, cfg, _encode(Image.fromarray(rgba, "RGBA"), "PNG"))
+    # The built-in presets still drop the alpha channel, as before.
+    plain = decode_image(_encode(Image.fromarray(rgba, "RGBA"), "PNG"), CFG)
+    assert np.array_equal(np.asarray(plain), rgba[:, :, :3])
+
+
+def test_preprocessor_settings_are_read_like_transformers(tmp_path) -> None:
+    ref, cfg = _qwen_dir(tmp_path, min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64,
+                         image_mean=[0.1, 0.2, 0.3], image_std=[0.9, 0.8, 0.7],
+                         resample=Image.Resampling.BILINEAR, do_normalize=False)
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.resample) == (3136, 50176, 2)
+    for size in ((500, 300), (20, 20), (30, 900)):
+        _assert_same_as_reference(ref, cfg, _encode(_noise(*size), "PNG"))
+
+
+def test_older_min_max_pixels_form(tmp_path) -> None:
+    """Qwen2-VL's original file: top-level min_pixels/max_pixels, no size."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+    }))
+    cfg = ImageProcessorConfig.from_pretrained_dir(tmp_path)
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.temporal_patch_size) == (3136, 12845056, 2)
+    assert cfg.patch_order == "merge_window" and cfg.alpha_background == (255, 255, 255)
+
+
+def test_extreme_aspect_ratio_grid_matches_reference_rule() -> None:
+    """10x1000 rounds its short side to 0 first, so it is scaled up: 28x560 (grid 2x40)."""
+    assert smart_resize(10, 1000, CFG) == (28, 560)
+    assert smart_resize(1000, 10, CFG) == (560, 28)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "preprocessor_config.json: file missing"),
+        ("{not json", "not valid JSON"),
+        ('{"image_processor_type": "CLIPImageProcessor"}', "image_processor_type is 'CLIP"),
+        ('{"image_processor_type": "Qwen2VLImageProcessor", "patch_size": "14"}',
+         "patch_size must be int"),
+        ('{"image_processor_type": "Qwen2VLImageProcessor", "image_mean": [0.5]}',
+         "image_mean must be 3 numbers"),
+        ('{"image_processor_type": "Qwen2VLImageProcessor", "do_resize": false}',
+         "do_resize must be true"),
+        ('{"image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": 10}}',
+         "min_pixels"),
+        ('{"image_processor_type": "Qwen2VLImageProcessor", "resample": 42}', "resample"),
+    ],
+)
+def test_bad_preprocessor_config_names_file_and_key(tmp_path, content, match) -> None:
+    if content is not None:
+        (tmp_path / "preprocessor_config.json").write_text(content)
+    with pytest.raises(InvalidInput, match=match) as info:
+        ImageProcessorConfig.from_pretrained_dir(tmp_path)
+    assert str(tmp_path / "preprocessor_config.json") in info.value.message
