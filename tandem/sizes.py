@@ -1,9 +1,17 @@
-"""Byte sizes as people write them in flags and manifests: ``256Mi``, ``1Gi``, ``4096``."""
+"""Byte sizes as people write them in flags and manifests: ``256Mi``, ``1Gi``, ``4096``.
+
+Kubernetes quantities (``Ki``, ``Mi``, ``K``, ``M``...) and the spellings of tools
+(``MiB``, ``GiB``, ``MB``, ``GB``...) are all accepted: ``i`` means a power of 1024.
+"""
 
 from __future__ import annotations
 
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS = {"": 1, "B": 1,
+          **_DECIMAL, **{f"{k}B": v for k, v in _DECIMAL.items()}, "kB": 10**3,
+          **{f"{k}i": 2**(10 * n) for n, k in enumerate(_DECIMAL, 1)},
+          **{f"{k}iB": 2**(10 * n) for n, k in enumerate(_DECIMAL, 1)}}
+_ACCEPTED = "bytes or a suffix Ki, Mi, Gi, Ti (also KiB, MiB...), K, M, G, T (also KB, MB...)"
 
 
 def parse_size(text: str | int) -> int:
@@ -21,7 +29,7 @@ def parse_size(text: str | int) -> int:
         value = float(number)
     except ValueError:
         raise ValueError(
-            f"invalid size {text!r}: use bytes or a suffix Ki, Mi, Gi, Ti, K, M, G, T"
+            f"invalid size {text!r}: use {_ACCEPTED}"
         ) from None
     if value < 0:
         raise ValueError(f"invalid size {text!r}: must not be negative")

@@ -23,6 +23,19 @@ from tandem.tls import TlsConfigError, TlsFiles
 DEFAULT_TARGET = "localhost:50051"
 
 
+DESCRIPTION = ("Run Tandem's services, talk to them, export the model. Every service setting "
+               "is a flag whose default comes from a TANDEM_* variable "
+               "(docs/configuration.md).")
+
+
+def size_arg(text: str) -> int:
+    """``parse_size`` for argparse: its message, not argparse's "invalid size_arg value"."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TANDEM_{name}", default)
 
@@ -39,7 +52,7 @@ def _add_common(p: argparse.ArgumentParser, shm_default: str) -> None:
                    help="directory shared by the cell's scheduler and workers")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
-                   help="Prometheus /metrics port (0 = off); `serve` workers use the next ones")
+                   help="Prometheus /metrics port (0 = off); serve's workers use the next ones")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     _add_tracing_flags(p)
 
@@ -51,14 +64,14 @@ def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
                         "$OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off without it or a trace file)")
     p.add_argument("--trace-file", default=None,
                    help="append finished spans to this file as OTLP JSON lines, read by "
-                        "`tandem traces` (default: $TANDEM_TRACE_FILE)")
+                        "'tandem traces' (default: $TANDEM_TRACE_FILE)")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50051"))
     p.add_argument("--mm-cache", choices=("shm", "lru", "none"), default=_env("MM_CACHE", "shm"))
-    p.add_argument("--mm-cache-size", type=parse_size, default=_env("MM_CACHE_SIZE", "256Mi"))
-    p.add_argument("--mm-cache-max-object-size", type=parse_size,
+    p.add_argument("--mm-cache-size", type=size_arg, default=_env("MM_CACHE_SIZE", "256Mi"))
+    p.add_argument("--mm-cache-max-object-size", type=size_arg,
                    default=_env("MM_CACHE_MAX_OBJECT_SIZE", "64Mi"))
     p.add_argument("--shm-group-mode", action=argparse.BooleanOptionalAction,
                    default=_bool_env("SHM_GROUP_MODE", False))
@@ -87,7 +100,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens with image placeholders expanded")
     p.add_argument("--max-images", type=int, default=int(_env("MAX_IMAGES", "8")),
                    help="images per request")
-    p.add_argument("--max-image-bytes", type=parse_size, default=_env("MAX_IMAGE_BYTES", "20Mi"),
+    p.add_argument("--max-image-bytes", type=size_arg, default=_env("MAX_IMAGE_BYTES", "20Mi"),
                    help="encoded size of one image")
     p.add_argument("--max-image-pixels", type=int,
                    default=int(_env("MAX_IMAGE_PIXELS", str(4096 * 4096))),
@@ -114,7 +127,7 @@ def _add_health_listen(p: argparse.ArgumentParser) -> None:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("DEVICE", "auto"))
-    p.add_argument("--kv-cache-size", type=parse_size, default=_env("KV_CACHE_SIZE", "256Mi"))
+    p.add_argument("--kv-cache-size", type=size_arg, default=_env("KV_CACHE_SIZE", "256Mi"))
     p.add_argument("--gpu-memory-fraction", type=float,
                    default=float(_env("GPU_MEMORY_FRACTION", "0.8")))
     p.add_argument("--tensor-parallel-size", type=int,
@@ -271,8 +284,8 @@ def cmd_traces(args: argparse.Namespace) -> int:
     try:
         print(render_file(Path(args.file), args.n))
     except FileNotFoundError:
-        print(f"error: {args.file} does not exist (start `tandem serve --trace-file "
-              f"{args.file}` and send a request)", file=sys.stderr)
+        print(f"error: {args.file} does not exist (start 'tandem serve --trace-file "
+              f"{args.file}' and send a request)", file=sys.stderr)
         return 1
     return 0
 
@@ -336,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from tandem_cli.client import add_client_commands
 
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tandem", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(metavar="COMMAND")
     instance = _env("INSTANCE", f"local-{os.getpid()}")
@@ -400,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("traces", cmd_traces, "show the last requests of a trace file as span trees")
     p.add_argument("--file", default=os.environ.get("TANDEM_TRACE_FILE", ""),
-                   help="OTLP JSON lines written by `tandem serve --trace-file`")
+                   help="OTLP JSON lines written by 'tandem serve --trace-file'")
     p.add_argument("-n", type=int, default=5, help="requests to show (the most recent)")
 
     p = add("export-model", cmd_export_model, "write built-in weights as safetensors")

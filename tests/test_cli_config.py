@@ -35,3 +35,24 @@ def test_images_larger_than_the_encoder_budget_are_refused_at_start() -> None:
     SchedulerConfig().check_image_budget(28)  # defaults: 256-token images fit
     with pytest.raises(ValueError, match="--max-pixels 1000000 allows images of 1275 tokens"):
         SchedulerConfig(max_pixels=1_000_000).check_image_budget(28)
+
+
+def test_sizes_take_the_common_spellings_and_a_bad_one_lists_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["scheduler", "--mm-cache-size", "16MiB",
+                                      "--max-image-bytes", "2MB"])
+    c = _scheduler_config(args, ["unix:///tmp/w.sock"])
+    assert (c.mm_cache_size, c.limits.max_image_bytes) == (16 * 2**20, 2 * 10**6)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler", "--mm-cache-size", "16MiX"])
+    err = capsys.readouterr().err
+    assert "invalid size '16MiX'" in err and "Mi, Gi" in err and "MiB" in err
+    assert "invalid size_arg value" not in err
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["serve", "--help"], ["traces", "--help"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        out = capsys.readouterr().out
+        assert "`" not in out, f"reStructuredText markup in tandem {' '.join(argv)}"

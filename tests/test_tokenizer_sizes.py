@@ -32,12 +32,14 @@ def test_incomplete_tail_is_flushed_as_replacement() -> None:
 
 @pytest.mark.parametrize(("text", "value"), [
     ("4096", 4096), ("256Mi", 256 * 2**20), ("1Gi", 2**30), ("1.5K", 1500), (7, 7),
+    ("16MiB", 16 * 2**20), ("2GiB", 2 * 2**30), ("1KiB", 1024), ("3MB", 3 * 10**6),
+    ("1GB", 10**9), ("5kB", 5000), ("64B", 64),
 ])
 def test_parse_size(text: str | int, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "12Q", "-1Mi", "Mi"])
+@pytest.mark.parametrize("text", ["", "12Q", "-1Mi", "Mi", "16MiX", "1Mb"])
 def test_parse_size_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(text)
