@@ -22,7 +22,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kube_emulator.schema import load_crd, validation_errors, version_schema
+from kube_emulator.cel import rule_failures
+from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "tandem"
@@ -117,9 +118,9 @@ def env_of(container: Mapping[str, Any]) -> dict[str, str]:
 
 
 # --- custom resources -----------------------------------------------------------------------
-# The CRD's structural schema as the apiserver applies it (the emulator's implementation, shared
-# with the operator's tests): unknown fields are errors, since the apiserver would silently prune
-# a misspelt or unsupported chart value.
+# The CRD's structural schema and CEL rules as the apiserver applies them (the emulator's
+# implementation, shared with the operator's tests): unknown fields are errors, since the
+# apiserver would silently prune a misspelt or unsupported chart value.
 CRD_SCHEMA = version_schema(load_crd(CRD_FILE))
 
 
@@ -135,7 +136,8 @@ def _validate_json(text: str, kube_version: str) -> None:
     if obj["kind"] == "TandemService":
         errors = list(validation_errors(CRD_SCHEMA, obj))
         assert not errors, errors
-        assert len(obj["metadata"]["name"]) <= 40, "the CRD's CEL rule on the name"
+        apply_defaults(CRD_SCHEMA, obj)  # the rules see the defaulted object
+        assert [str(f) for f in rule_failures(CRD_SCHEMA, obj)] == []
     elif obj["kind"] == "PodMonitor":
         jsonschema.Draft7Validator(POD_MONITOR_SCHEMA).validate(obj)
     else:

@@ -1,6 +1,7 @@
 """The API emulator models what docs/operator.md says it models (the integration test relies on
 it): status subresource, generation, no-op writes, finalizers, owner-reference GC, patches,
-CRD defaulting, Pod Security admission, and list + watch from a resourceVersion over HTTP."""
+CRD defaulting, CEL validation rules (and the CRD-creation check of defaults), Pod Security
+admission, and list + watch from a resourceVersion over HTTP."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.errors import ApiError
 from kube_emulator.fixtures import CRD_PATH
-from kube_emulator.store import ObjectStore
+from kube_emulator.schema import load_crd
+from kube_emulator.server import BUILTIN, crd_types
+from kube_emulator.store import CRD_KEY, ObjectStore
+
+MERGE = "application/merge-patch+json"
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +53,65 @@ def test_custom_resources_are_defaulted_validated_and_pruned(emulator: KubeEmula
     assert bad.code == 422 and "spec.cells" in bad.message
 
 
+def test_cel_rules_refuse_writes_with_422_and_the_rules_message(emulator: KubeEmulator) -> None:
+    def steps(store: ObjectStore, types: dict) -> Any:
+        t = types["tandem.dev/tandemservices"]
+        with pytest.raises(ApiError) as created:
+            store.create(t, "ns", {**tsvc("tp"), "spec": {
+                "worker": {"workersPerCell": 3, "tensorParallelSize": 2}}})
+        store.create(t, "ns", tsvc("ok"))
+        with pytest.raises(ApiError) as patched:
+            store.patch(t, "ns", "ok", MERGE, {"spec": {"model": {"claimName": "models"}}})
+        with pytest.raises(ApiError) as named:
+            store.create(t, "ns", tsvc("a" * 40))
+        return created.value, patched.value, named.value, store.get(t, "ns", "ok")
+    created, patched, named, kept = run(emulator, steps)
+    assert (created.code, created.reason) == (422, "Invalid")
+    assert created.message == (
+        'TandemService.tandem.dev "tp" is invalid: spec.worker: Invalid value: "object": '
+        "workersPerCell must be a multiple of tensorParallelSize")
+    assert patched.code == 422 and "spec.model: Invalid value" in patched.message
+    assert "claimName" not in kept["spec"]["model"]
+    assert "<root>: Invalid value" in named.message and "at most 39" in named.message
+
+
+def crd_store(cel_validation: bool) -> ObjectStore:
+    return ObjectStore(BUILTIN + crd_types(load_crd(CRD_PATH)), cel_validation)
+
+
+def test_a_crd_whose_default_breaks_a_rule_is_refused() -> None:
+    """The apiserver checks each default against its node's rules as written (`{}` here)."""
+    crd = load_crd(CRD_PATH)
+    scheduler = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["scheduler"]
+    scheduler["x-kubernetes-validations"][0]["rule"] = "!(self.port in [9400, 9401, 50061])"
+    store = crd_store(cel_validation=True)
+    with pytest.raises(ApiError) as refused:
+        store.create(store.types[CRD_KEY], "", crd)
+    assert refused.value.code == 422
+    assert ("properties[spec].properties[scheduler].default: Invalid value: {}: no such key: "
+            "port evaluating rule: port must not be") in refused.value.message
+    store.create(store.types[CRD_KEY], "", load_crd(CRD_PATH))  # the CRD as it is passes
+
+
+def test_without_cel_validation_the_rules_are_dropped() -> None:
+    store = crd_store(cel_validation=False)
+    t = store.types["tandem.dev/tandemservices"]
+    obj = store.create(t, "ns", {**tsvc("a" * 44), "spec": {"model": {"claimName": "models"}}})
+    assert obj["spec"]["model"] == {"name": "tiny", "claimName": "models"}
+    with pytest.raises(ApiError) as structural:  # the structural schema still holds
+        store.create(t, "ns", {**tsvc("b"), "spec": {"cells": 65}})
+    assert "spec.cells" in structural.value.message
+
+
 def test_status_generation_and_no_op_writes(emulator: KubeEmulator) -> None:
     def steps(store: ObjectStore, types: dict) -> Any:
         t = types["tandem.dev/tandemservices"]
         store.create(t, "ns", tsvc("c"))
-        merge = "application/merge-patch+json"
-        s1 = store.patch(t, "ns", "c", merge, {"status": {"replicas": 1}}, "status")
-        s2 = store.patch(t, "ns", "c", merge, {"status": {"replicas": 5}})  # ignored
-        s3 = store.patch(t, "ns", "c", merge, {"spec": {"cells": 2}})
-        s4 = store.patch(t, "ns", "c", merge, {"spec": {"cells": 2}})  # no-op
+        s1 = store.patch(t, "ns", "c", MERGE, {"status": {"replicas": 1}}, "status")
+        s2 = store.patch(t, "ns", "c", MERGE, {"status": {"replicas": 5}})  # ignored
+        s3 = store.patch(t, "ns", "c", MERGE, {"spec": {"cells": 2}})
+        s4 = store.patch(t, "ns", "c", MERGE, {"spec": {"cells": 2}})  # no-op
         return s1, s2, s3, s4
     s1, s2, s3, s4 = run(emulator, steps)
     assert s1["status"] == {"replicas": 1} and s1["metadata"]["generation"] == 1

@@ -1,11 +1,14 @@
 """The real operator (`tandem_operator.main.run`, i.e. `tandem operator`, in a subprocess) against
 the API emulator over HTTP: create, resize, repair, scale-down, delete, the specs it cannot
 serve, and three tensor-parallel cells behind the router. Each test uses its own namespace and
-TandemService, so they do not depend on each other.
+TandemService, so they do not depend on each other. A second emulator drops the CRD's CEL
+rules, as some apiservers do: there the operator's parser is the only check.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import socket
@@ -22,6 +25,7 @@ import kubernetes
 import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.fixtures import CRD_PATH, node
+from test_crd_cel import VIOLATIONS
 
 from tandem_testing.cells import stop_process
 
@@ -70,6 +74,11 @@ class Cluster:
     def event_reasons(self, namespace: str) -> list[str]:
         return [e.reason for e in self.core.list_namespaced_event(namespace).items]
 
+    def events(self, namespace: str) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of the namespace's Events, oldest first."""
+        return [(e.type, e.reason, e.message)
+                for e in self.core.list_namespaced_event(namespace).items]
+
 
 def wait_for(fn: Callable[[], T], what: str, timeout: float = 20.0) -> T:
     deadline = time.monotonic() + timeout
@@ -89,10 +98,10 @@ def free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("operator")
-    emulator = KubeEmulator([CRD_PATH])
+@contextlib.contextmanager
+def running_cluster(tmp: Path, cel_validation: bool) -> Iterator[Cluster]:
+    """The emulator with two GPU nodes, and the operator against it in a subprocess."""
+    emulator = KubeEmulator([CRD_PATH], cel_validation)
     emulator.start()
     kubeconfig = emulator.write_kubeconfig(tmp / "kubeconfig")
     config = kubernetes.client.Configuration()
@@ -124,6 +133,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         stop_process(proc, 15)
         api.close()
         emulator.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A current cluster: the apiserver enforces the CRD's CEL rules."""
+    with running_cluster(tmp_path_factory.mktemp("operator"), cel_validation=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster_without_cel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """An apiserver that drops the CRD's CEL rules (before 1.25, or the feature gate off)."""
+    with running_cluster(tmp_path_factory.mktemp("operator-no-cel"), cel_validation=False) as c:
+        yield c
 
 
 def is_ready(cluster: Cluster, namespace: str, name: str) -> bool:
@@ -268,16 +291,29 @@ def test_pod_security_rejection_is_reported(cluster: Cluster) -> None:
     assert cluster.apps.list_namespaced_stateful_set(ns).items == []
 
 
-def test_an_unsupported_spec_is_refused_with_a_reason(cluster: Cluster) -> None:
-    ns, name = "eta", "svc"
-    # The CRD's CEL rule refuses this on a real apiserver; the parser repeats it.
-    cluster.create(ns, name, {"worker": {"workersPerCell": 3, "tensorParallelSize": 2}})
+def test_the_apiserver_refuses_what_a_cel_rule_refuses(cluster: Cluster) -> None:
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        cluster.create("eta", "svc", {"worker": {"workersPerCell": 3, "tensorParallelSize": 2}})
+    assert refused.value.status == 422
+    assert json.loads(refused.value.body)["message"] == (
+        'TandemService.tandem.dev "svc" is invalid: spec.worker: Invalid value: "object": '
+        "workersPerCell must be a multiple of tensorParallelSize")
 
-    def invalid() -> dict[str, Any]:
-        found = cluster.condition(ns, name, "Ready")
-        return found if found.get("reason") == "InvalidSpec" else {}
-    ready = wait_for(invalid, "InvalidSpec")
-    assert "tensorParallelSize" in ready["message"]
+
+def test_without_cel_the_operator_refuses_every_rule_with_invalid_spec(
+        cluster_without_cel: Cluster) -> None:
+    cluster = cluster_without_cel
+    cases = [(f"rule-{i}", name) for i, (name, _) in enumerate(VIOLATIONS.values())]
+    for (ns, name), (_, spec) in zip(cases, VIOLATIONS.values(), strict=True):
+        cluster.create(ns, name, spec)
+    for ns, name in cases:
+        def invalid(ns: str = ns, name: str = name) -> dict[str, Any]:
+            found = cluster.condition(ns, name, "Ready")
+            return found if found.get("reason") == "InvalidSpec" else {}
+        ready = wait_for(invalid, f"InvalidSpec in {ns}")
+        assert cluster.condition(ns, name, "PlacementReady")["reason"] == "InvalidSpec"
+        assert cluster.apps.list_namespaced_stateful_set(ns).items == []
+        assert ready["message"]
 
 
 def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None:

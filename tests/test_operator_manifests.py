@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from tandem_operator.manifests import (
 )
 from tandem_operator.placement import Cell
 from tandem_operator.router import build_router_configmap, build_router_deployment
+from tandem_operator.spec import MAX_CELLS, MAX_NAME_LENGTH
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
 GI = 1 << 30
@@ -332,3 +335,52 @@ def test_tls_only_with_a_secret_and_the_hash_rolls_when_it_is_turned_on() -> Non
     assert config_hash(cell_config(plain, CELL)) != config_hash(cell_config(tls, CELL))
     pod = build_pod_template(plain, CELL, "scheduler")["spec"]
     assert not [v for v in pod["volumes"] if "secret" in v]
+
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+def name_problems(obj: dict[str, Any]) -> list[str]:
+    """What the apiserver or a controller would refuse about the names and labels of `obj`,
+    and of the pods its controller makes (StatefulSet pods carry `<sts>-<ordinal>` and
+    controller-revision-hash=<sts>-<10-character hash>; Job pods job-name=<job>)."""
+    kind, meta = obj["kind"], obj["metadata"]
+    name, problems = meta["name"], []
+    labels = dict(meta.get("labels") or {})
+    if kind == "StatefulSet":
+        labels["controller-revision-hash"] = f"{name}-{'h' * 10}"
+        replicas = obj["spec"]["replicas"]
+        labels["statefulset.kubernetes.io/pod-name"] = f"{name}-{replicas - 1}"
+    if kind == "Job":
+        labels["batch.kubernetes.io/job-name"] = name
+    for key, value in labels.items():
+        if len(value) > 63 or not LABEL_VALUE.fullmatch(value):
+            problems.append(f"{kind} {name}: label {key}={value}")
+    pattern = DNS_1035 if kind == "Service" else DNS_LABEL
+    if len(name) > 63 or not pattern.fullmatch(name):
+        problems.append(f"{kind} {name}: name")
+    return problems
+
+
+def children(spec: Any, cell: Cell) -> list[dict[str, Any]]:
+    """Every object the operator makes for `cell`, the router and the Services included."""
+    return [build_configmap(spec, cell), build_statefulset(spec, cell, "scheduler"),
+            build_statefulset(spec, cell, "worker"), build_service(spec),
+            build_service(spec, headless=True), build_workers_service(spec),
+            build_router_configmap(spec, [cell]), build_router_deployment(spec, [cell]),
+            build_cleanup_job(spec, cell.index, cell.node),
+            build_cleanup_job(spec, cell.index, cell.node, generation=10 ** 6)]
+
+
+def test_the_longest_name_the_crd_allows_fits_every_child() -> None:
+    """MAX_NAME_LENGTH is tight: one character more and the last cell's scheduler StatefulSet
+    makes a controller-revision-hash label longer than 63 (its pods are never created)."""
+    spec = tandem_spec({"cells": MAX_CELLS, "worker": {"workersPerCell": 16}},
+                       name="n" * MAX_NAME_LENGTH)
+    last = Cell(MAX_CELLS - 1, "gpu-1", GI, GI, 10 ** 6)
+    assert [p for obj in children(spec, last) for p in name_problems(obj)] == []
+    longer = dataclasses.replace(spec, name="n" * (MAX_NAME_LENGTH + 1))
+    assert [p.split(":")[1] for obj in children(longer, last) for p in name_problems(obj)] == [
+        " label controller-revision-hash=" + f"{'n' * 40}-63-scheduler-{'h' * 10}"]

@@ -28,7 +28,8 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 
 
 def child_name(spec: TandemSpec, cell: int, role: str) -> str:
-    """`<name>-<cell>-<role>`; the CRD caps names at 36 so StatefulSet names stay <= 52."""
+    """`<name>-<cell>-<role>`; names are capped (spec.MAX_NAME_LENGTH) so that StatefulSet
+    names stay <= 52."""
     return f"{spec.name}-{cell}-{role}"
 
 

@@ -4,11 +4,16 @@ The CRD (charts/tandem/crds/tandemservices.tandem.dev.yaml) is the single source
 the apiserver fills them in before the operator sees an object, so `parse_spec` indexes the
 fields it needs instead of repeating the defaults here. A missing field therefore means the
 CRD was not installed from the chart, and says so.
+
+The CRD's CEL rules are another matter: an apiserver with CEL validation off drops them
+silently, so `parse_spec` repeats every one (tests/test_crd_cel.py holds one violating object
+per rule and checks that both refuse it).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,14 @@ PLURAL = "tandemservices"
 KIND = "TandemService"
 # The pods' metrics and health ports (manifests.py), which scheduler.port must avoid.
 RESERVED_PORTS = (9400, 9401, 50061)
+MAX_CELLS = 64  # the CRD's maximum of spec.cells
+# A StatefulSet's pods carry the label controller-revision-hash=<statefulset>-<hash of up to 10
+# characters>, and label values hold at most 63, so a StatefulSet name holds at most 52. The
+# longest the operator builds is the scheduler of the last cell, <name>-63-scheduler: 39.
+MAX_STATEFULSET_NAME = 52
+MAX_NAME_LENGTH = MAX_STATEFULSET_NAME - len(f"-{MAX_CELLS - 1}-scheduler")
+# The name is also the Service's, and Service names are DNS-1035 labels.
+NAME_PATTERN = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 class SpecError(ValueError):
@@ -232,13 +245,50 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
     )
 
 
+def _check_name(name: str) -> None:
+    """The CRD's two rules on metadata.name."""
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            f"the name {name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} fit: the "
+            f"StatefulSets <name>-<cell>-scheduler are limited to {MAX_STATEFULSET_NAME} "
+            "(their pods' controller-revision-hash label). Recreate it with a shorter name")
+    if not NAME_PATTERN.fullmatch(name):
+        raise SpecError(
+            f"the name {name!r} is not a DNS label starting with a letter (lowercase letters, "
+            "digits and '-'); it names the Services, which need one. Recreate it renamed")
+
+
+def _check_rules(s: TandemSpec, model_path: str) -> None:
+    """The CRD's CEL rules on the spec, one `if` each, in the CRD's order."""
+    if s.model_claim and not model_path:
+        raise SpecError(f"model.claimName {s.model_claim!r} needs model.path: the directory "
+                        "the claim is mounted at, where the pods load the model from")
+    if s.scheduler.port in RESERVED_PORTS:
+        raise SpecError(f"scheduler.port {s.scheduler.port} is taken: 9400, 9401 and 50061 are "
+                        "the pods' metrics and health ports; choose another (default 50051)")
+    if s.worker.device.startswith("cuda") and s.worker.gpu_count == 0:
+        raise SpecError(f"worker.device {s.worker.device} needs worker.gpu.count >= 1 (it is "
+                        "0): request GPUs, or set the device to cpu or auto")
+    if s.worker.workers_per_cell % s.worker.tensor_parallel_size:
+        raise SpecError(f"worker.workersPerCell ({s.worker.workers_per_cell}) must be a "
+                        "multiple of worker.tensorParallelSize "
+                        f"({s.worker.tensor_parallel_size}): each group of that many workers "
+                        "shares one copy of the model")
+    if s.tls.client_ca_secret_name and not s.tls.enabled:
+        raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
+                        "client certificates, so name the server certificate's Secret too")
+
+
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec:
-    """Parse a defaulted spec and reject what this operator version cannot serve.
+    """Parse a defaulted spec and reject what this operator version cannot serve, every CEL
+    rule of the CRD included.
 
     Raises SpecError with a message meant for the `Ready` condition.
     """
+    _check_name(name)
     try:
         parsed = _parse(name, namespace, spec)
+        model_path = spec["model"].get("path", "")
     except KeyError as e:
         raise SpecError(
             f"spec field {e.args[0]!r} is missing: the CRD's defaults were not applied "
@@ -246,15 +296,6 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec
         ) from e
     except ValueError as e:  # a quantity the CRD pattern let through but Kubernetes rejects
         raise SpecError(f"invalid quantity in the spec: {e}") from e
-    if parsed.worker.workers_per_cell % parsed.worker.tensor_parallel_size:
-        raise SpecError("worker.workersPerCell must be a multiple of "
-                        "worker.tensorParallelSize")  # mirrors the CEL rule
-    if parsed.tls.client_ca_secret_name and not parsed.tls.enabled:
-        raise SpecError("tls.clientCASecretName needs tls.secretName")  # mirrors the CEL rule
-    if parsed.scheduler.port in RESERVED_PORTS:
-        raise SpecError("scheduler.port must not be 9400, 9401 or 50061 (the metrics and "
-                        "health ports)")  # mirrors the CEL rule
-    if parsed.worker.device.startswith("cuda") and parsed.worker.gpu_count == 0:
-        raise SpecError("worker.device cuda needs worker.gpu.count >= 1")  # mirrors the CEL rule
+    _check_rules(parsed, model_path)
     return parsed
 

@@ -2,7 +2,8 @@
 
 Used by the emulator (what the apiserver does to a custom resource on every write) and by the
 CRD tests (every example must validate). Validation goes through `jsonschema` after a small
-conversion of the Kubernetes extensions; CEL rules (x-kubernetes-validations) are not evaluated.
+conversion of the Kubernetes extensions; CEL rules (x-kubernetes-validations) are evaluated by
+kube_emulator.cel.
 """
 
 from __future__ import annotations
@@ -102,3 +103,29 @@ def cel_rules(schema: Schema, path: str = "") -> Iterator[tuple[str, str]]:
         yield path or "<root>", rule["rule"]
     for key, sub in (schema.get("properties") or {}).items():
         yield from cel_rules(sub, f"{path}.{key}" if path else key)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from cel_rules(schema[key], f"{path or '<root>'}[*]")
+
+
+def defaults(schema: Schema, path: str) -> Iterator[tuple[str, Schema]]:
+    """(path, node) of every schema node with a default, paths as the apiserver writes them
+    (`<path>.properties[spec].properties[worker].default`)."""
+    if "default" in schema:
+        yield f"{path}.default", schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from defaults(sub, f"{path}.properties[{key}]")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from defaults(schema[key], f"{path}.{key}")
+
+
+def default_errors(crd: dict[str, Any]) -> Iterator[str]:
+    """Defaults that do not validate against their own schema node, unknown fields included
+    (the apiserver's structural check on CRD creation; its CEL part is in kube_emulator.cel)."""
+    for v, version in enumerate(crd["spec"]["versions"]):
+        base = f"spec.versions[{v}].schema.openAPIV3Schema"
+        for path, node in defaults(version["schema"]["openAPIV3Schema"], base):
+            for error in validation_errors(node, node["default"]):
+                where, _, problem = error.partition(": ")
+                yield f"{path if where == '<root>' else f'{path}.{where}'}: {problem}"

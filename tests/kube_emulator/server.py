@@ -52,10 +52,12 @@ class KubeEmulator:
 
     `call(fn)` runs `fn(store)` on the server's loop, for tests that inspect or seed the
     store directly (the store is not thread-safe; everything else goes through HTTP).
+    `cel_validation=False` is a cluster whose apiserver drops CRD validation rules.
     """
 
-    def __init__(self, crd_paths: list[Path]) -> None:
+    def __init__(self, crd_paths: list[Path], cel_validation: bool = True) -> None:
         self.crds = [load_crd(p) for p in crd_paths]
+        self.cel_validation = cel_validation
         types = BUILTIN + [t for crd in self.crds for t in crd_types(crd)]
         self.types = types
         self.store: ObjectStore | None = None
@@ -70,7 +72,7 @@ class KubeEmulator:
         return self.url
 
     async def _start(self) -> str:
-        self.store = ObjectStore(self.types)
+        self.store = ObjectStore(self.types, self.cel_validation)
         self.store.reactors.append(react)
         self.store.admission.append(pod_security)
         crd_type = self.store.types["apiextensions.k8s.io/customresourcedefinitions"]

@@ -1,6 +1,7 @@
 """The emulator's storage: objects, one resourceVersion counter, the watch event log, and the
 apiserver semantics that operators depend on (status subresource, generation, finalizers,
-owner-reference garbage collection, optimistic concurrency, CRD defaulting and validation).
+owner-reference garbage collection, optimistic concurrency, CRD defaulting and validation, CEL
+validation rules, the CRD-creation check of defaults).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kube_emulator.cel import default_failures, rule_failures
 from kube_emulator.errors import ApiError
 from kube_emulator.patches import apply_json_patch, merge_patch
-from kube_emulator.schema import apply_defaults, prune, validation_errors
+from kube_emulator.schema import apply_defaults, default_errors, prune, validation_errors
 from kube_emulator.selectors import matches
 
 Obj = dict[str, Any]
+CRD_KEY = "apiextensions.k8s.io/customresourcedefinitions"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,13 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def invalid(rt: ResourceType, name: str, errors: list[str]) -> ApiError:
+    """The apiserver's 422 answer: `<Kind>.<group> "<name>" is invalid: <errors>`."""
+    kind = f"{rt.kind}.{rt.group}" if rt.group else rt.kind
+    shown = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {shown}')
+
+
 def _essence(obj: Obj) -> Obj:
     """The object without the fields the server maintains, to detect no-op writes."""
     out = copy.deepcopy(obj)
@@ -63,10 +73,14 @@ class ObjectStore:
     increasing resourceVersion order and its last entry describes the current state of its
     object; uids are unique; a stored object with a deletionTimestamp has finalizers (without
     them it is removed at once). Only the methods below mutate `objects` and `log`.
+
+    `cel_validation` False models an apiserver that drops CEL rules (before Kubernetes 1.25, or
+    1.25-1.28 with the CustomResourceValidationExpressions feature gate off).
     """
 
-    def __init__(self, types: Iterable[ResourceType]) -> None:
+    def __init__(self, types: Iterable[ResourceType], cel_validation: bool = True) -> None:
         self.types = {t.key: t for t in types}
+        self.cel_validation = cel_validation
         self.objects: dict[tuple[str, str, str], Obj] = {}
         self.log: list[tuple[int, str, str, Obj]] = []  # (rv, type, resource key, object)
         self.rv = 0
@@ -141,13 +155,21 @@ class ObjectStore:
             self._draining = False
 
     def _admit(self, rt: ResourceType, obj: Obj) -> None:
+        name = obj["metadata"].get("name", "")
+        if rt.key == CRD_KEY:  # every default must pass its schema node, and its rules
+            errors = list(default_errors(obj))
+            if self.cel_validation and not errors:
+                errors = list(default_failures(obj))
+            if errors:
+                raise invalid(rt, name, errors)
         if rt.schema is not None:
             apply_defaults(rt.schema, obj)
             prune(rt.schema, obj)
             errors = list(validation_errors(rt.schema, obj, strict=False))
+            if self.cel_validation and not errors:
+                errors = [str(f) for f in rule_failures(rt.schema, obj)]
             if errors:
-                raise ApiError(422, "Invalid", f'{rt.kind} "{obj["metadata"].get("name")}" '
-                                              f'is invalid: {"; ".join(errors)}')
+                raise invalid(rt, name, errors)
         for check in self.admission:
             check(self, rt, obj)
 
