@@ -69,7 +69,12 @@ def test_ready_takes_the_first_false_condition() -> None:
     assert (status, reason) == ("False", "NoFittingNode")
     assert message == "cell 1: 0/2 nodes fit: a: full"
     placed = fold_verdicts(SPEC, CELLS, obs, {})
-    assert ready_verdict(placed)[:2] == ("False", "SchedulersNotReady")
+    assert ready_verdict(placed) == (
+        "False", "SchedulersNotReady", "0/2 schedulers ready on the current config; waiting "
+        "for StatefulSet demo-0-scheduler, StatefulSet demo-1-scheduler")
+    assert verdicts["WorkersReady"][2] == (
+        "0/4 workers ready on the current config; waiting for StatefulSet demo-0-workers (0/2 "
+        "ready), StatefulSet demo-1-workers (0/2 ready, cell not placed)")
 
 
 def test_pod_security_rejection_is_a_placement_failure() -> None:
@@ -82,8 +87,10 @@ def test_misplaced_pods_make_colocated_false() -> None:
     stray = PodInfo("w0-1", "worker", 0, "b", True, "h", False)
     obs = {0: observe_cell(SPEC, CELLS[0], "h", [*pods(0, "a")[:2], stray])}
     verdicts = fold_verdicts(SPEC, CELLS[:1], obs, {})
-    assert verdicts["Colocated"] == ("False", "NotColocated",
-                                     "worker pod w0-1 of cell 0 runs on b")
+    assert verdicts["Colocated"] == (
+        "False", "NotColocated",
+        "worker pod w0-1 of cell 0 runs on b, not on the cell's node a: the operator re-places "
+        "the cell")
 
 
 def test_transition_time_moves_only_when_the_status_changes() -> None:

@@ -71,9 +71,6 @@ class Cluster:
     def pods(self, namespace: str) -> list[Any]:
         return list(self.core.list_namespaced_pod(namespace).items)
 
-    def event_reasons(self, namespace: str) -> list[str]:
-        return [e.reason for e in self.core.list_namespaced_event(namespace).items]
-
     def events(self, namespace: str) -> list[tuple[str, str, str]]:
         """(type, reason, message) of the namespace's Events, oldest first."""
         return [(e.type, e.reason, e.message)
@@ -243,7 +240,14 @@ def test_a_worker_on_another_node_is_repaired(cluster: Cluster) -> None:
     elsewhere = next(n for n in NODES if n != cell["nodeName"])
     cluster.core.patch_namespaced_pod("svc-0-workers-0", ns, {"spec": {"nodeName": elsewhere}},
                                       _content_type=MERGE)
-    wait_for(lambda: "CellRepaired" in cluster.event_reasons(ns), "the CellRepaired event")
+    def repaired_event() -> list[str]:
+        return [m for kind, reason, m in cluster.events(ns)
+                if (kind, reason) == ("Warning", "CellRepaired")]
+    [message] = wait_for(repaired_event, "the CellRepaired event")
+    assert message.startswith(f"cell 0: its worker pod svc-0-workers-0 ran on {elsewhere}, not "
+                              f"on the cell's node {cell['nodeName']}; the operator re-placed it "
+                              "on ")
+    assert "with a fresh segment (generation 2), deleted pod svc-0-workers-0" in message
 
     def repaired() -> bool:
         [now] = cluster.get(ns, name)["status"]["cells"]
@@ -259,7 +263,13 @@ def test_scale_down_removes_the_last_cell_and_its_segment(cluster: Cluster) -> N
     wait_for(lambda: is_ready(cluster, ns, name), "Ready")
     node1 = cluster.get(ns, name)["status"]["cells"][1]["nodeName"]
     cluster.patch(ns, name, {"cells": 1})
-    wait_for(lambda: "CellRemoved" in cluster.event_reasons(ns), "the CellRemoved event")
+    def removed_event() -> list[str]:
+        return [m for kind, reason, m in cluster.events(ns)
+                if (kind, reason) == ("Normal", "CellRemoved")]
+    [message] = wait_for(removed_event, "the CellRemoved event")
+    assert message == ("cell 1 removed (spec.cells is 1): deleted StatefulSets svc-1-scheduler "
+                       "and svc-1-workers and ConfigMap svc-1-config; started Job "
+                       f"svc-1-cleanup-g1 to remove generation 1 from {node1}")
     assert [s.metadata.name for s in cluster.apps.list_namespaced_stateful_set(ns).items] == [
         "svc-0-scheduler", "svc-0-workers"]
     job = cluster.batch.read_namespaced_job("svc-1-cleanup-g1", ns)
@@ -277,6 +287,14 @@ def test_a_spec_no_node_can_hold_gets_a_clear_condition(cluster: Cluster) -> Non
     assert re.search(r"node-b: needs 16 nvidia.com/gpu, \d free", placement["message"])
     assert cluster.condition(ns, name, "Ready")["reason"] == "NoFittingNode"
     assert cluster.apps.list_namespaced_stateful_set(ns).items == []
+
+    def retried() -> list[str]:
+        return [m for kind, reason, m in cluster.events(ns)
+                if (kind, reason) == ("Error", "Logging") and "failed temporarily" in m]
+    [event, *_] = wait_for(retried, "the Event of the retry")
+    assert event.startswith("Handler 'reconcile/cell-0' failed temporarily: cell 0 is not "
+                            "placed, 0/2 nodes fit: node-a: needs 16 nvidia.com/gpu")
+    assert event.endswith("; trying again in 5 s")
 
 
 def test_pod_security_rejection_is_reported(cluster: Cluster) -> None:
@@ -313,7 +331,9 @@ def test_without_cel_the_operator_refuses_every_rule_with_invalid_spec(
         ready = wait_for(invalid, f"InvalidSpec in {ns}")
         assert cluster.condition(ns, name, "PlacementReady")["reason"] == "InvalidSpec"
         assert cluster.apps.list_namespaced_stateful_set(ns).items == []
-        assert ready["message"]
+        failed = f"Handler 'reconcile' failed permanently: {ready['message']}"
+        wait_for(lambda ns=ns, failed=failed: ("Error", "Logging", failed) in cluster.events(ns),
+                 f"the Event of the permanent failure in {ns}")
 
 
 def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None:

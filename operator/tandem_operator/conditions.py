@@ -11,7 +11,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_operator.manifests import CELL_LABEL, COMPONENT_LABEL, CONFIG_HASH, segment_path
+from tandem_operator.manifests import (
+    CELL_LABEL,
+    COMPONENT_LABEL,
+    CONFIG_HASH,
+    child_name,
+    segment_path,
+)
 from tandem_operator.placement import Cell, format_bytes
 from tandem_operator.spec import TandemSpec
 
@@ -113,8 +119,9 @@ def placement_verdict(cells: Sequence[Cell], rejected: Mapping[int, str]) -> Ver
 def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:
     if spec.cache_bytes_requested == 0:
         return "True", "Disabled", f"featureCache.type={spec.cache.type}, size {spec.cache.size}"
-    if any(not c.node for c in cells):
-        return "False", "NotSized", "a cell has no node to size its cache on"
+    unplaced = [f"cell {c.index}" for c in cells if not c.node]
+    if unplaced:
+        return "False", "NotSized", f"{', '.join(unplaced)}: no node yet to size the cache on"
     sizes = ", ".join(f"cell {c.index}: {format_bytes(c.cache_bytes)}" for c in cells)
     if any(c.cache_bytes < c.requested_bytes for c in cells):
         return ("True", "SizeReduced", f"{sizes} of {format_bytes(spec.cache_bytes_requested)} "
@@ -122,28 +129,52 @@ def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:
     return "True", "Sized", sizes
 
 
-def _ready_verdict(what: str, ready: int, total: int, reason: str) -> Verdict:
+def _ready_verdict(what: str, ready: int, total: int, reason: str,
+                   waiting: Sequence[str]) -> Verdict:
+    """`waiting` names the StatefulSets short of ready pods: `kubectl describe` on one shows
+    its pods, or why it could not create them."""
     if ready == total:
         return "True", "Ready", f"{ready}/{total} {what} ready"
-    return "False", reason, f"{ready}/{total} {what} ready on the current config"
+    return "False", reason, (f"{ready}/{total} {what} ready on the current config; waiting for "
+                             f"{', '.join(waiting)}")
+
+
+def _waiting(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, CellObservation],
+             component: str) -> list[str]:
+    """The cells' StatefulSets of `component` whose pods are not all ready."""
+    out = []
+    for c in cells:
+        o = obs.get(c.index)
+        unplaced = "" if c.node else "cell not placed"
+        if component == "scheduler" and not (o and o.scheduler_ready):
+            shown = f" ({unplaced})" if unplaced else ""
+            out.append(f"StatefulSet {child_name(spec, c.index, 'scheduler')}{shown}")
+        elif component == "worker" and not (o and o.workers_ready == o.workers_total):
+            ready = f"{o.workers_ready if o else 0}/{spec.worker.workers_per_cell} ready"
+            shown = ", ".join(s for s in (ready, unplaced) if s)
+            out.append(f"StatefulSet {child_name(spec, c.index, 'workers')} ({shown})")
+    return out
 
 
 def fold_verdicts(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, CellObservation],
                   rejected: Mapping[int, str]) -> dict[str, Verdict]:
     """Every condition but Ready, in FOLDED order."""
     misplaced = [p for o in obs.values() for p in o.misplaced]
+    node_of = {c.index: c.node for c in cells}
     return {
         "PlacementReady": placement_verdict(cells, rejected),
         "Colocated": ("False", "NotColocated", "; ".join(
-            f"{p.component} pod {p.name} of cell {p.cell} runs on {p.node}" for p in misplaced))
+            f"{p.component} pod {p.name} of cell {p.cell} runs on {p.node}, not on the cell's "
+            f"node {node_of.get(p.cell)}" for p in misplaced) + ": the operator re-places the cell")
         if misplaced else ("True", "Colocated", "every pod runs on its cell's node"),
         "CacheReady": cache_verdict(spec, cells),
         "SchedulerReady": _ready_verdict(
             "schedulers", sum(o.scheduler_ready for o in obs.values()), len(cells),
-            "SchedulersNotReady"),
+            "SchedulersNotReady", _waiting(spec, cells, obs, "scheduler")),
         "WorkersReady": _ready_verdict(
             "workers", sum(o.workers_ready for o in obs.values()),
-            len(cells) * spec.worker.workers_per_cell, "WorkersNotReady"),
+            len(cells) * spec.worker.workers_per_cell, "WorkersNotReady",
+            _waiting(spec, cells, obs, "worker")),
     }
 
 

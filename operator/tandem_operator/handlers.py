@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from tandem_operator.reconcile import (
     roll_blocker,
     service_state,
     status_payload,
+    wait_delay,
 )
 from tandem_operator.spec import GROUP, PLURAL, VERSION, SpecError, TandemSpec, parse_spec
 from tandem_operator.tracing import handler_span
@@ -65,7 +67,8 @@ CONFIG = OperatorConfig.from_env()
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
-    """Keep kopf's bookkeeping under tandem.dev and bound every watch request."""
+    """Keep kopf's bookkeeping under tandem.dev, bound every watch request, and post handler
+    outcomes as Events."""
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -74,6 +77,13 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 30
     settings.watching.reconnect_backoff = 1
     settings.posting.reporting_component = "tandem-operator"
+    # kopf logs a retry or a permanent failure of a handler at ERROR, on the object's logger;
+    # only with `loggers` on do those lines become Events of the object (kubectl describe).
+    # NOTE: WARNING, not INFO: INFO would post a "succeeded" Event for every handler run,
+    # the observe timer's included. It also drops kopf.info(), so Normal Events are posted
+    # with kopf.event().
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     if settings.peering.name == "default":  # no --peering given: run alone (one replica)
         settings.peering.standalone = True
 
@@ -166,11 +176,13 @@ async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.S
         return  # scaled down meanwhile; prune removes it
     cell = state.cells[index]
     if not cell.node:
-        raise kopf.TemporaryError(f"cell {index}: {cell.reason}", delay=retry_delay(retry))
+        delay = retry_delay(retry)
+        raise kopf.TemporaryError(f"cell {index} is not placed, {cell.reason}; trying again in "
+                                  f"{delay:.0f} s", delay=delay)
     blocker = roll_blocker(tsvc, state.cells, index, list(tandem_pod_index.get((namespace, name),
                                                                                [])))
     if blocker:
-        raise kopf.TemporaryError(blocker, delay=2)
+        raise kopf.TemporaryError(blocker, delay=wait_delay(retry))
     await apply_cell(memo["kube"], body, tsvc, state, cell)
 
 
@@ -184,8 +196,8 @@ async def services_handler(name: str, namespace: str, spec: kopf.Spec, body: kop
 async def prune_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
                         memo: kopf.Memo, node_index: kopf.Index[str, NodeInfo], **_: Any) -> None:
     tsvc = parse_spec(name, namespace, spec)
-    for index in await prune_cells(memo["kube"], body, tsvc, nodes_of(node_index)):
-        kopf.info(body, reason="CellRemoved", message=f"cell {index} removed (scale-down)")
+    for message in await prune_cells(memo["kube"], body, tsvc, nodes_of(node_index)):
+        kopf.event(body, type="Normal", reason="CellRemoved", message=message)
 
 
 @kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds, idle=CONFIG.resync_seconds / 2)
@@ -225,16 +237,20 @@ async def cleanup(name: str, namespace: str, spec: kopf.Spec, status: kopf.Statu
     the remaining Jobs are abandoned with a warning Event.
     """
     with handler_span("cleanup", namespace, name):
-        try:
-            tsvc = parse_spec(name, namespace, spec)
+        try:  # without the rules: an older operator may have placed cells of such a spec
+            tsvc = parse_spec(name, namespace, spec, check_rules=False)
         except SpecError:
-            return  # an unservable spec never placed anything
+            return  # the CRD's defaults are missing: this spec was never served
         cells = service_state(memo, status).cells
         pending, skipped = await cleanup_segments(memo["kube"], body, tsvc, cells,
                                                   nodes_of(node_index))
         if skipped and retry == 0:
             kopf.warn(body, reason="CleanupSkipped", message="; ".join(skipped))
         if pending and runtime.total_seconds() < CONFIG.cleanup_timeout_seconds:
-            raise kopf.TemporaryError(f"waiting for {', '.join(pending)}", delay=2)
+            raise kopf.TemporaryError(f"deletion waits for the cleanup Jobs: {'; '.join(pending)}",
+                                      delay=wait_delay(retry))
         if pending:
-            kopf.warn(body, reason="CleanupTimedOut", message=f"abandoned {', '.join(pending)}")
+            kopf.warn(body, reason="CleanupTimedOut", message=(
+                f"gave up after {CONFIG.cleanup_timeout_seconds:.0f} s waiting for the cleanup "
+                f"Jobs, and released the object: {'; '.join(pending)}; remove those directories "
+                "by hand once nothing of the cell runs there"))

@@ -33,6 +33,7 @@ from tandem_operator.manifests import (
     build_service,
     build_workers_service,
     cell_config,
+    cell_dir,
     child_name,
     config_hash,
     endpoint,
@@ -115,6 +116,13 @@ def retry_delay(retry: int) -> float:
     return float(min(300, 5 * 2 ** min(retry, 6)))
 
 
+def wait_delay(retry: int) -> float:
+    """Backoff while waiting for what the operator started (a cell rolling before the next
+    one, cleanup Jobs): 2 s doubling to 30 s. Each retry posts an Event, so a long model load
+    posts a few dozen, not one every 2 s; and a wait ends at most 30 s after its cause."""
+    return float(min(30, 2 * 2 ** min(retry, 4)))
+
+
 async def place(state: ServiceState, spec: TandemSpec, nodes: Mapping[str, NodeInfo],
                 loads: Iterable[PodLoad], force: frozenset[int] = frozenset()) -> list[Cell]:
     """Re-run placement under the state's lock; return the cells whose node or generation
@@ -146,7 +154,10 @@ def roll_blocker(spec: TandemSpec, cells: Sequence[Cell], index: int,
         return ""
     for i, obs in _observe(spec, cells[:index], pods).items():
         if not obs.ready:
-            return f"cell {index} waits for cell {i} to become ready on its new config"
+            scheduler = "ready" if obs.scheduler_ready else "not ready"
+            return (f"cell {index} waits for cell {i} to be ready on the new config before it "
+                    f"rolls (cell {i}: scheduler {scheduler}, {obs.workers_ready}/"
+                    f"{obs.workers_total} workers ready); cells roll one at a time")
     return ""
 
 
@@ -164,8 +175,11 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
     except Rejected as e:
         if not e.pod_security:
             raise
-        state.rejected[cell.index] = e.message
-        raise kopf.TemporaryError(f"cell {cell.index}: {e.message}", delay=60) from e
+        state.rejected[cell.index] = (
+            f"{e.message}; the cell's hostPath segment needs namespace {spec.namespace} labelled "
+            "pod-security.kubernetes.io/enforce=privileged")
+        raise kopf.TemporaryError(f"cell {cell.index}: {state.rejected[cell.index]}; trying "
+                                  "again in 60 s", delay=60) from e
     state.rejected.pop(cell.index, None)
     objs = [build_configmap(spec, cell), build_statefulset(spec, cell, "scheduler"),
             build_statefulset(spec, cell, "worker")]
@@ -214,33 +228,38 @@ async def apply_front(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
 
 
 async def cleanup_generation(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, cell: int,
-                             node: str, generation: int) -> None:
-    """Remove one old segment generation from a node the cell left."""
+                             node: str, generation: int) -> str:
+    """Remove one old segment generation from a node the cell left; return what was done."""
     job = build_cleanup_job(spec, cell, node, generation)
     kopf.adopt(job, owner=owner)
     await kube.apply(job, create_only=True)
+    return f"started Job {job['metadata']['name']} to remove generation {generation} from {node}"
 
 
 async def prune_cells(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
-                      nodes: Mapping[str, NodeInfo]) -> list[int]:
+                      nodes: Mapping[str, NodeInfo]) -> list[str]:
     """Delete the children of cells at or beyond `spec.cells` (a scale-down), found by listing
-    so that nothing is missed after a restart, and clean their segments; return their indexes."""
+    so that nothing is missed after a restart, and clean their segments; return what was done,
+    one message per cell."""
     selector = f"{INSTANCE_LABEL}={spec.name},{COMPONENT_LABEL}=scheduler"
-    pruned = []
+    done = []
     for sts in await kube.list("StatefulSet", spec.namespace, selector):
         meta = sts["metadata"]
         index = int(meta["labels"][CELL_LABEL])
         if index < spec.cells:
             continue
+        names = [child_name(spec, index, role) for role in ("scheduler", "workers", "config")]
         for kind, role in (("StatefulSet", "scheduler"), ("StatefulSet", "workers"),
                            ("ConfigMap", "config")):
             await kube.delete(kind, spec.namespace, child_name(spec, index, role))
         node = (meta.get("annotations") or {}).get(NODE, "")
+        cleaned = f"its node {node} is gone, nothing to clean there"
         if node in nodes:
             generation = int(meta["annotations"].get(GENERATION, "0"))
-            await cleanup_generation(kube, owner, spec, index, node, generation)
-        pruned.append(index)
-    return pruned
+            cleaned = await cleanup_generation(kube, owner, spec, index, node, generation)
+        done.append(f"cell {index} removed (spec.cells is {spec.cells}): deleted StatefulSets "
+                    f"{names[0]} and {names[1]} and ConfigMap {names[2]}; {cleaned}")
+    return done
 
 
 async def repair(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: ServiceState,
@@ -262,17 +281,27 @@ async def repair(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: Servi
     for cell in await place(state, spec, nodes, loads, force):
         old = before.get(cell.index)
         stray = obs[cell.index].misplaced if cell.index in obs else ()
-        why = (f"{stray[0].component} pod {stray[0].name} ran on {stray[0].node}" if stray
-               else f"node {old.node} is gone" if old and old.node else "a node fits now")
+        actions = [f"re-placed it on {cell.node} with a fresh segment (generation "
+                   f"{cell.generation})" if cell.node else f"found no node for it: {cell.reason}"]
         if cell.node:
             await apply_cell(kube, owner, spec, state, cell)
         for pod in stray:
             await kube.delete("Pod", spec.namespace, pod.name)
+            actions.append(f"deleted pod {pod.name} (its StatefulSet recreates it)")
         if old and old.node in nodes and old.node != cell.node:
-            await cleanup_generation(kube, owner, spec, cell.index, old.node, old.generation)
-        where = f"on {cell.node}, generation {cell.generation}" if cell.node else "unplaced"
-        done.append(f"cell {cell.index} re-placed ({why}): {where}")
+            actions.append(await cleanup_generation(kube, owner, spec, cell.index, old.node,
+                                                    old.generation))
+        done.append(f"cell {cell.index}: {_repair_cause(stray, old)}; the operator "
+                    f"{', '.join(actions)}")
     return done
+
+
+def _repair_cause(stray: Sequence[PodInfo], old: Cell | None) -> str:
+    """Why a cell is re-placed, in the words of its repair Event."""
+    if stray:
+        where = f", not on the cell's node {old.node}" if old and old.node else ""
+        return f"its {stray[0].component} pod {stray[0].name} ran on {stray[0].node}{where}"
+    return f"its node {old.node} is gone" if old and old.node else "a node fits it now"
 
 
 def status_payload(spec: TandemSpec, state: ServiceState, pods: Sequence[PodInfo],
@@ -309,13 +338,15 @@ async def cleanup_segments(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
     for cell in cells:
         if not cell.node:
             continue  # never placed: nothing on any node
+        where = f"{cell_dir(spec, cell.index)} on {cell.node}"
         if cell.node not in nodes:
-            skipped.append(f"cell {cell.index} (node {cell.node} is gone)")
+            skipped.append(f"cell {cell.index}: its node is gone, so {where} was not removed "
+                           "(remove it by hand if the node comes back)")
             continue
         job = build_cleanup_job(spec, cell.index, cell.node)
         kopf.adopt(job, owner=owner)
         await kube.apply(job, create_only=True)
         name = job["metadata"]["name"]
         if not job_finished(await kube.read("Job", spec.namespace, name)):
-            pending.append(name)
+            pending.append(f"Job {name} removes {where}")
     return pending, skipped

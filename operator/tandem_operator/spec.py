@@ -279,13 +279,16 @@ def _check_rules(s: TandemSpec, model_path: str) -> None:
                         "client certificates, so name the server certificate's Secret too")
 
 
-def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec:
+def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],
+               check_rules: bool = True) -> TandemSpec:
     """Parse a defaulted spec and reject what this operator version cannot serve, every CEL
-    rule of the CRD included.
+    rule of the CRD included (unless `check_rules` is False: removing what an older operator
+    placed needs only where things are).
 
     Raises SpecError with a message meant for the `Ready` condition.
     """
-    _check_name(name)
+    if check_rules:
+        _check_name(name)
     try:
         parsed = _parse(name, namespace, spec)
         model_path = spec["model"].get("path", "")
@@ -296,6 +299,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> TandemSpec
         ) from e
     except ValueError as e:  # a quantity the CRD pattern let through but Kubernetes rejects
         raise SpecError(f"invalid quantity in the spec: {e}") from e
-    _check_rules(parsed, model_path)
+    if check_rules:
+        _check_rules(parsed, model_path)
     return parsed
 

@@ -61,7 +61,8 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, create]
-# Events from kopf (handler outcomes) and the handlers (repairs, scale-down).
+# Events: kopf posts handler retries and permanent failures (settings.posting in the
+# operator's startup), the handlers post repairs, scale-down and cleanup problems.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
