@@ -30,8 +30,10 @@ from worker_svc.request_state import new_request_state
 from worker_svc.runner import StepRunner
 from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
 
-LOGITS_ATOL = 1e-3  # float32; measured max |difference| ~1e-5 on logits of magnitude ~10
-VISION_ATOL = 1e-4  # float32; measured ~3e-6 on embeddings of magnitude ~3
+# float32 on CPU. Measured max |difference|: logits 1.4e-6 (magnitudes up to ~4) on every
+# tiny checkpoint, SmolLM2's 4e-5 (magnitudes ~30); vision embeddings 2.2e-6.
+LOGITS_ATOL = 1e-4
+VISION_ATOL = 5e-5
 BLOCK_SIZE = 4
 MAX_NEW = 8
 CPU = torch.device("cpu")
