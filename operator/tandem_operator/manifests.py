@@ -9,6 +9,7 @@ import hashlib
 import json
 from typing import Any
 
+from tandem_operator.containers import HEALTH_PORT, pull_secrets, root_task_container
 from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, Cell
 from tandem_operator.spec import TandemSpec
 
@@ -16,7 +17,6 @@ SHM_MOUNT = "/var/run/tandem"
 CELL_MOUNT = "/var/run/tandem-cell"
 SCHEDULER_METRICS_PORT = 9400
 WORKER_METRICS_PORT = 9401
-HEALTH_PORT = 50061  # every pod's plaintext health-only port (kubelet probes)
 TP_PORT = 29500  # the tensor-parallel rendezvous, served by worker 0 of a cell
 TLS_DIR = "/etc/tandem/tls"  # the spec.tls.secretName Secret
 CLIENT_CA_DIR = "/etc/tandem/client-ca"  # the spec.tls.clientCASecretName Secret
@@ -106,20 +106,6 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         **tls_config(spec),
     }
     return data | tracing_config(spec)
-
-
-def resource_env(spec: TandemSpec, cell: int | None = None) -> list[dict[str, Any]]:
-    """OTEL_RESOURCE_ATTRIBUTES of a container: its pod and node come from the Downward API,
-    so they are container env (``$(VAR)`` expands only there), not config."""
-    attributes = (f"k8s.namespace.name={spec.namespace},k8s.pod.name=$(K8S_POD_NAME),"
-                  f"k8s.node.name=$(K8S_NODE_NAME),tandem.service={spec.name}")
-    if cell is not None:
-        attributes += f",tandem.cell={cell}"
-    return [
-        {"name": "K8S_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "K8S_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
-    ]
 
 
 def tracing_config(spec: TandemSpec) -> dict[str, str]:
@@ -247,6 +233,11 @@ def build_cleanup_job(spec: TandemSpec, cell: int, node: str, generation: int | 
     if generation is not None:
         target, role = f"{target}/{generation_dir(generation)}", f"cleanup-g{generation}"
     meta_labels = labels(spec, "cleanup", cell)
+    # DAC_OVERRIDE: the cell directory holds the pods' user's 0700 generations. The Job's pod
+    # has no pod-level security context, hence seccomp on the container.
+    container = root_task_container(spec, "cleanup", ["rm", "-rf", "--", f"/host/{target}"],
+                                    ["DAC_OVERRIDE"], [{"name": "root", "mountPath": "/host"}])
+    container["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -262,24 +253,8 @@ def build_cleanup_job(spec: TandemSpec, cell: int, node: str, generation: int | 
                     "nodeName": node,
                     "restartPolicy": "Never",
                     "tolerations": [{"operator": "Exists"}],
-                    "imagePullSecrets": [{"name": s} for s in spec.pull_secrets],
-                    "containers": [{
-                        "name": "cleanup",
-                        "image": spec.scheduler.image,
-                        "imagePullPolicy": spec.pull_policy,
-                        "command": ["rm", "-rf", "--", f"/host/{target}"],
-                        "volumeMounts": [{"name": "root", "mountPath": "/host"}],
-                        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
-                                      "limits": {"memory": "64Mi"}},
-                        # Root: the cell directory sits in kubelet's root-owned 0755
-                        # hostPath root and holds the pods' user's 0700 generations; it
-                        # needs DAC_OVERRIDE to remove them, nothing else.
-                        "securityContext": {
-                            "runAsUser": 0, "runAsNonRoot": False,
-                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]},
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-                    }],
+                    "imagePullSecrets": pull_secrets(spec),
+                    "containers": [container],
                     "volumes": [{"name": "root", "hostPath": {
                         "path": spec.cache.host_root, "type": "DirectoryOrCreate"}}],
                 },

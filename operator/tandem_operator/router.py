@@ -13,15 +13,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tandem_operator.containers import (
+    HEALTH_PORT,
+    SCRATCH_MOUNT,
+    ServingContainer,
+    container_resources,
+    scratch_volume,
+    serving_container,
+    serving_pod_spec,
+)
 from tandem_operator.manifests import (
     CONFIG_HASH,
-    HEALTH_PORT,
     TLS_DIR,
     child_name,
     config_hash,
     labels,
     pod_dns,
-    resource_env,
     selector_labels,
     service_name,
     tls_config,
@@ -30,13 +37,6 @@ from tandem_operator.manifests import (
 )
 from tandem_operator.placement import Cell
 from tandem_operator.spec import TandemSpec
-from tandem_operator.workloads import (
-    SCRATCH_ENV,
-    SCRATCH_MOUNT,
-    container_security,
-    probes,
-    scratch_volume,
-)
 
 READY_SERVICE = "tandem.v1.Generation"  # SERVING while at least one cell is
 
@@ -90,35 +90,18 @@ def build_router_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str,
 
 
 def _container(spec: TandemSpec) -> dict[str, Any]:
-    res = spec.router.resources
-    resources = {k: dict(v) for k, v in (("requests", res.requests), ("limits", res.limits)) if v}
-    return {
-        "name": "router",
-        "image": spec.scheduler.image,
-        "imagePullPolicy": spec.pull_policy,
-        "command": ["tandem", "router"],
-        "ports": [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"},
-                  {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
-        "envFrom": [{"configMapRef": {"name": router_name(spec)}}],
-        "env": [dict(SCRATCH_ENV), *resource_env(spec)],
-        "resources": resources,
-        "volumeMounts": [dict(SCRATCH_MOUNT), *tls_volumes(spec)[1]],
-        "securityContext": container_security(),
-        **probes(spec, HEALTH_PORT, READY_SERVICE),
-    }
+    """`tandem router`, in the scheduler's image: its settings, OTEL_SERVICE_NAME included,
+    are in its ConfigMap; it has no metrics port."""
+    return serving_container(spec, ServingContainer(
+        role="router", image=spec.scheduler.image, config_map=router_name(spec),
+        resources=container_resources(spec.router.resources, {}),
+        mounts=[SCRATCH_MOUNT, *tls_volumes(spec)[1]], ready_service=READY_SERVICE,
+        public_port=True))
 
 
 def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
-    pod_spec: dict[str, Any] = {
-        "securityContext": {"runAsUser": spec.run_as_user, "runAsGroup": spec.run_as_group,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "containers": [_container(spec)],
-        "volumes": [scratch_volume(), *tls_volumes(spec)[0]],
-    }
-    if spec.pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]
+    pod_spec = serving_pod_spec(spec, [_container(spec)],
+                                [scratch_volume(), *tls_volumes(spec)[0]])
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

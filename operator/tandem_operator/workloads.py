@@ -10,13 +10,21 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from tandem_operator.containers import (
+    SCRATCH_MOUNT,
+    ServingContainer,
+    container_resources,
+    root_task_container,
+    scratch_volume,
+    serving_container,
+    serving_pod_spec,
+)
 from tandem_operator.manifests import (
     CELL_LABEL,
     CELL_MOUNT,
     COMPONENT_LABEL,
     CONFIG_HASH,
     GENERATION,
-    HEALTH_PORT,
     NODE,
     SCHEDULER_METRICS_PORT,
     SHM_MOUNT,
@@ -27,19 +35,15 @@ from tandem_operator.manifests import (
     config_hash,
     generation_dir,
     labels,
-    resource_env,
     selector_labels,
     service_name,
     tls_volumes,
     workers_service_name,
 )
-from tandem_operator.placement import INSTANCE_LABEL, Cell, resource_amount
-from tandem_operator.spec import Resources, TandemSpec
+from tandem_operator.placement import INSTANCE_LABEL, Cell
+from tandem_operator.spec import TandemSpec
 
 HOSTNAME = "kubernetes.io/hostname"
-SCRATCH_DIR = "/tmp"  # the containers' only writable path besides their volumes
-SCRATCH_MOUNT = {"name": "tmp", "mountPath": SCRATCH_DIR}
-SCRATCH_ENV = {"name": "HOME", "value": SCRATCH_DIR}  # the image sets it too; another may not
 # Prepares the cell directory before any Tandem process touches it: kubelet creates hostPath
 # and subPath directories as root 0755, where a non-root scheduler could not write. Pruning
 # removes only older generations, never a newer one a rolled pod may already use.
@@ -57,82 +61,19 @@ chown "$owner" "$dir/gen-$gen"
 chmod 0700 "$dir/gen-$gen"
 """
 
-def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str, Any]:
-    return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}
-
-
-def probes(spec: TandemSpec, port: int, ready_service: str) -> dict[str, Any]:
-    """Native gRPC probes on grpc.health.v1, at `port`: the health-only port where the
-    component has one (kubelet probes speak no TLS, and must not need the worker's
-    unauthenticated Step API on the network).
-
-    Liveness is lenient (6 x 10 s on the server's overall health, "") so one slow reply never
-    kills a pod; readiness asks for the real dependency (`tandem.v1.Generation` is SERVING
-    only once the scheduler's workers are attached); startup allows a long model load.
-    """
-    return {
-        "startupProbe": _grpc_probe(port, "", 5, spec.startup_failure_threshold),
-        "readinessProbe": _grpc_probe(port, ready_service, 5, 3),
-        "livenessProbe": _grpc_probe(port, "", 10, 6),
-    }
-
-
-def _resources(res: Resources, extra: dict[str, int]) -> dict[str, Any]:
-    """Requests and limits with `extra` added: bytes of memory, or counts of a device."""
-    requests, limits = dict(res.requests), dict(res.limits)
-    for name, amount in extra.items():
-        if name == "memory":
-            requests["memory"] = str(resource_amount("memory", requests.get("memory", 0)) + amount)
-            if "memory" in limits:
-                limits["memory"] = str(resource_amount("memory", limits["memory"]) + amount)
-        else:  # extended resources (GPUs) must have requests == limits
-            requests[name] = limits[name] = str(amount)
-    out: dict[str, Any] = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def container_security() -> dict[str, Any]:
-    """Every long-running Tandem container (scheduler, worker, router): a non-root user, no
-    capabilities, no privilege escalation, the runtime's seccomp profile, and a read-only root
-    filesystem. What they write goes to their volumes: the cell directory, /dev/shm (workers)
-    and the scratch emptyDir at /tmp (`scratch_volume`)."""
-    return {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def scratch_volume() -> dict[str, Any]:
-    """/tmp for temporary files and for HOME (`SCRATCH_ENV`): torch, CUDA and Triton keep
-    their caches under ~, and the image's user has no home. Disk-backed, counted as the pod's
-    ephemeral storage."""
-    return {"name": "tmp", "emptyDir": {}}
-
-
 def _prepare_container(spec: TandemSpec, cell: Cell, prune: bool) -> dict[str, Any]:
     """Init container: create this generation's directory for the pods' user; the scheduler's
-    also removes older generations (cleanupOnStart), so a crashed writer's files never linger."""
-    return {
-        "name": "prepare-segment",
-        "image": spec.scheduler.image,
-        "imagePullPolicy": spec.pull_policy,
-        "command": ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, str(cell.generation),
-                    f"{spec.run_as_user}:{spec.run_as_group}", "true" if prune else "false"],
-        # Root, because kubelet creates the hostPath directory root-owned 0755 and the
-        # generation directory must be given to the pods' user; with only the capabilities
-        # that takes: CHOWN (chown), FOWNER (chmod of a directory it no longer owns, on a
-        # restart), DAC_OVERRIDE (remove older generations, 0700 and owned by that user).
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
-                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"],
-                                             "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}},
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "volumeMounts": [{"name": "cell", "mountPath": CELL_MOUNT}],
-    }
+    also removes older generations (cleanupOnStart), so a crashed writer's files never linger.
+
+    The generation directory is given to the pods' user, with only the capabilities that
+    takes: CHOWN (chown), FOWNER (chmod of a directory it no longer owns, on a restart),
+    DAC_OVERRIDE (remove older generations, 0700 and owned by that user).
+    """
+    command = ["sh", "-c", _PREPARE, "prepare", CELL_MOUNT, str(cell.generation),
+               f"{spec.run_as_user}:{spec.run_as_group}", "true" if prune else "false"]
+    return root_task_container(spec, "prepare-segment", command,
+                               ["CHOWN", "FOWNER", "DAC_OVERRIDE"],
+                               [{"name": "cell", "mountPath": CELL_MOUNT}])
 
 
 def _affinity(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
@@ -194,62 +135,39 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     """The scheduler or a worker. Both get TANDEM_HEALTH_LISTEN from the cell's ConfigMap
     and are probed there; only the scheduler exposes a gRPC port (workers are reached
     through their Unix sockets in the cell directory)."""
-    ports: list[dict[str, Any]] = []
     if component == "scheduler":
         metrics, image = SCHEDULER_METRICS_PORT, spec.scheduler.image
-        ports.append({"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"})
-        env: list[dict[str, Any]] = [{"name": "TANDEM_LISTEN",
-                                      "value": f"0.0.0.0:{spec.scheduler.port}"}]
-        resources = _resources(spec.scheduler.resources, {"memory": cell.cache_bytes})
+        own = [{"name": "TANDEM_LISTEN", "value": f"0.0.0.0:{spec.scheduler.port}"}]
+        resources = container_resources(spec.scheduler.resources, {"memory": cell.cache_bytes})
         user_env, ready = spec.scheduler.env, "tandem.v1.Generation"
     else:
         metrics, image = WORKER_METRICS_PORT, spec.worker.image
-        env = [{"name": "TANDEM_WORKER_RANK", "valueFrom": {"fieldRef": {
+        own = [{"name": "TANDEM_WORKER_RANK", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}]
         gpus = {spec.worker.gpu_resource: spec.worker.gpu_count} if spec.worker.gpu_count else {}
-        resources = _resources(spec.worker.resources, gpus)
+        resources = container_resources(spec.worker.resources, gpus)
         user_env, ready = spec.worker.env, ""
-    ports += [{"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
-              {"name": "metrics", "containerPort": metrics, "protocol": "TCP"}]
-    env += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
-            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}, dict(SCRATCH_ENV),
-            *resource_env(spec, cell.index)]
-    env += [{"name": k, "value": v} for k, v in user_env]
-    return {
-        "name": component,
-        "image": image,
-        "imagePullPolicy": spec.pull_policy,
-        "command": ["tandem", component],
-        "ports": ports,
-        "envFrom": [{"configMapRef": {"name": child_name(spec, cell.index, "config")}}],
-        "env": env,
-        "resources": resources,
-        "volumeMounts": _mounts(spec, cell, component),
-        "securityContext": container_security(),
-        **probes(spec, HEALTH_PORT, ready),
-    }
+    own += [{"name": "TANDEM_METRICS_PORT", "value": str(metrics)},
+            {"name": "OTEL_SERVICE_NAME", "value": f"tandem-{component}"}]
+    return serving_container(spec, ServingContainer(
+        role=component, image=image, config_map=child_name(spec, cell.index, "config"),
+        resources=resources, mounts=_mounts(spec, cell, component), ready_service=ready,
+        public_port=component == "scheduler", metrics_port=metrics, env=own, user_env=user_env,
+        cell=cell.index))
 
 
 def build_pod_template(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     """The pod of a cell's scheduler or worker; also what the operator dry-runs to learn
     whether Pod Security admission would let the StatefulSet create it."""
-    pod_spec: dict[str, Any] = {
-        "affinity": _affinity(spec, cell, component),
-        "securityContext": {"runAsUser": spec.run_as_user, "runAsGroup": spec.run_as_group,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "initContainers": [_prepare_container(spec, cell, prune=(
-            component == "scheduler" and spec.cache.cleanup_on_start))],
-        "containers": [_container(spec, cell, component)],
-        "volumes": _volumes(spec, cell, component),
-    }
+    pod_spec = serving_pod_spec(spec, [_container(spec, cell, component)],
+                                _volumes(spec, cell, component))
+    pod_spec["affinity"] = _affinity(spec, cell, component)
+    pod_spec["initContainers"] = [_prepare_container(spec, cell, prune=(
+        component == "scheduler" and spec.cache.cleanup_on_start))]
     if spec.placement.node_selector:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.placement.tolerations]
-    if spec.pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.pull_secrets]
     return {
         "metadata": {
             "labels": labels(spec, component, cell.index),
