@@ -18,7 +18,8 @@ from tandem.text.tokenizer import ImageTokens, SpecialTokens
 BUILTIN_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: "
     "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
-    "{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}\n"
+    "{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
 _NAMES = {byte_vocab.PAD_ID: "<pad>", byte_vocab.BOS_ID: "<bos>", byte_vocab.EOS_ID: "<eos>",
