@@ -8,6 +8,7 @@ reads from ``Describe``'s model config JSON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from tandem.errors import InvalidInput
 from worker_svc.checkpoint import compute_dtype, export_model, load_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig, model_config_from_name
+from worker_svc.server import create_server, shutdown
 
 CPU = torch.device("cpu")
 
@@ -197,3 +199,22 @@ def test_bad_models_fail_with_the_file_and_key(qwen2_vl: Path, tmp_path: Path) -
 
     with pytest.raises(InvalidInput, match="Hugging Face checkpoint"):
         export_model(str(qwen2_vl), tmp_path / "export")
+
+
+def test_worker_with_a_bad_model_fails_at_start(qwen2_vl: Path, tmp_path: Path) -> None:
+    """The worker process's warm-up (what ``serve`` ends with) raises the loader's error,
+    and health never turned SERVING."""
+    bad = copy(qwen2_vl, tmp_path / "bad")
+    edit_config(bad, lambda raw: raw.update(model_type="mamba"))
+
+    async def start() -> None:
+        worker = await create_server(WorkerConfig(shm_dir=str(tmp_path / "shm"),
+                                                  model=str(bad), device="cpu"))
+        try:
+            with pytest.raises(InvalidInput, match="'model_type' is 'mamba'"):
+                await worker.warmup
+            assert not worker.servicer.ready.is_set()
+        finally:
+            await shutdown(worker)
+
+    asyncio.run(start())
