@@ -33,7 +33,6 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 VL_IDS = dict(image_token_id=IMAGE_PAD, vision_start_token_id=VISION_START,
               vision_end_token_id=VISION_END, video_token_id=VIDEO_PAD)
 MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # head_dim 16: 8 frequency pairs
-KINDS = ("qwen2_vl", "qwen2_5_vl", "llama", "qwen2")
 
 
 def config(kind: str, tied: bool = False) -> transformers.PretrainedConfig:
@@ -51,6 +50,11 @@ def config(kind: str, tied: bool = False) -> transformers.PretrainedConfig:
                                intermediate_size=48, fullatt_block_indexes=[1]), **VL_IDS)
     if kind == "llama":
         return transformers.LlamaConfig(**TEXT, rope_theta=100000.0, tie_word_embeddings=tied)
+    if kind == "llama3":  # Llama 3.1's frequency rescaling, short original context
+        return transformers.LlamaConfig(**TEXT, tie_word_embeddings=tied, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 100000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
     if kind == "qwen2":
         return transformers.Qwen2Config(**TEXT, tie_word_embeddings=tied)
     raise ValueError(kind)
@@ -66,6 +70,7 @@ def reference(kind: str, tied: bool = False, seed: int = 3,
     cls = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
            "llama": transformers.LlamaForCausalLM,
+           "llama3": transformers.LlamaForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM}[kind]
     torch.manual_seed(seed)
     model = cls(cfg).eval()

@@ -168,13 +168,16 @@ def test_mrope_positions_match_get_rope_index(vlm) -> None:
         assert torch.equal(state.positions, want[:, 0])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
 def test_text_decoder_matches_transformers(kind: str, tmp_path: Path) -> None:
-    """Llama (attention and MLP biases on, rope_theta 1e5) and Qwen2 (q/k/v biases)."""
+    """Llama (attention and MLP biases on, rope_theta 1e5), Llama with Llama 3.1's RoPE
+    rescaling, and Qwen2 (q/k/v biases)."""
     extra = {"attention_bias": True, "mlp_bias": True} if kind == "llama" else {}
     hf = reference(kind, **extra)
     model = load(save(hf, tmp_path))
-    assert model.config.qkv_bias and model.config.out_bias == (kind == "llama")
+    assert model.config.qkv_bias == (kind != "llama3")
+    assert model.config.out_bias == (kind == "llama")
+    assert (model.config.rope_llama3 is not None) == (kind == "llama3")
     tokens = [5, 17, 33, 40, 41, 60, 61, 62, 63, 64, 70]
     ref_ids, ref_logits = hf_generate(hf, tokens, [])
     assert len(set(ref_ids)) > 1, "degenerate reference: the test would prove little"

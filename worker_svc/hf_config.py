@@ -113,18 +113,31 @@ def _rope_fields(text: _Keys, model_type: str, head_dim: int) -> dict[str, Any]:
     if not isinstance(rope, dict):
         text.fail(key, "must be an object")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "mrope"):
-        text.fail(key, f"has rope type {kind!r}; only default RoPE and M-RoPE are supported")
+    if kind not in ("default", "mrope", "llama3"):
+        text.fail(key, f"has rope type {kind!r}; supported: default, mrope, llama3")
     theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    llama3 = None
+    if kind == "llama3":
+        names = ("factor", "low_freq_factor", "high_freq_factor",
+                 "original_max_position_embeddings")
+        if not all(isinstance(rope.get(n), int | float) for n in names) or (
+                rope["high_freq_factor"] <= rope["low_freq_factor"]):
+            text.fail(key, f"llama3 scaling needs numbers {', '.join(names)} "
+                           "(high_freq_factor > low_freq_factor)")
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
     if model_type in VLMS:
         section = rope.get("mrope_section", _DEFAULT_MROPE)
         if not isinstance(section, list) or len(section) != 3 or sum(section) != head_dim // 2:
             text.fail(key, f"mrope_section {section} must be 3 sizes summing to head_dim/2 "
                            f"= {head_dim // 2}")
+        if llama3 is not None:
+            text.fail(key, "combines llama3 scaling with M-RoPE")
         return {"rope_theta": theta, "position_scheme": "mrope",
                 "mrope_section": tuple(section)}
     # Plain RoPE: the three position components are equal, so any split is the same.
-    return {"rope_theta": theta, "position_scheme": "rope", "mrope_section": (head_dim // 2, 0, 0)}
+    return {"rope_theta": theta, "rope_llama3": llama3, "position_scheme": "rope",
+            "mrope_section": (head_dim // 2, 0, 0)}
 
 
 def _special_ids(path: Path, text: _Keys, model_type: str) -> dict[str, Any]:

@@ -9,6 +9,8 @@ complex dtype) and the table is built once, in the model's ``setup_caches``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -25,9 +27,13 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rotary_table(n_pairs: int, max_pos: int, theta: float, device: torch.device) -> Tensor:
-    """cos/sin of every (position, pair): (max_pos, n_pairs, 2), float32."""
+def rotary_table(n_pairs: int, max_pos: int, theta: float, device: torch.device,
+                 llama3: tuple[float, float, float, int] | None = None) -> Tensor:
+    """cos/sin of every (position, pair): (max_pos, n_pairs, 2), float32; ``llama3``
+    rescales the frequencies (``llama3_frequencies``)."""
     inv_freq = 1.0 / theta ** (torch.arange(n_pairs, dtype=torch.float64) / n_pairs)
+    if llama3 is not None:
+        inv_freq = llama3_frequencies(inv_freq, *llama3)
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # (S, P)
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
 
@@ -37,6 +43,19 @@ def pair_components(sections: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.repeat_interleave(
         torch.arange(len(sections), device=device), torch.tensor(sections, device=device)
     )
+
+
+def llama3_frequencies(inv_freq: Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_context: int) -> Tensor:
+    """Llama 3.1's long-context RoPE: wavelengths longer than ``original_context /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``original_context /
+    high_freq_factor`` kept, and the band between interpolated linearly in 1/wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > original_context / low_freq_factor, inv_freq / factor,
+                       torch.where(wavelen < original_context / high_freq_factor, inv_freq,
+                                   between))
 
 
 def axial_rotary(head_dim: int, max_grid: int, theta: float,

@@ -153,7 +153,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = PagedKVCache(
                 num_blocks, block_size, layer.attention.n_kv_heads, c.head_dim, dtype).to(device)
-        self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device)
+        self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
+                                 c.rope_llama3)
         self.rope_components = pair_components(c.mrope_section, device)
         if self.visual is not None:
             self.visual.setup_caches(device)

@@ -24,7 +24,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TANDEM = "tandem"  # model_type of the built-in model and of export_model's files
 VISION_TYPES = (TANDEM, "qwen2_vl", "qwen2_5_vl")  # model types with a vision tower
-_TUPLE_FIELDS = ("mrope_section", "eos_token_ids", "vision_full_attention_blocks")
+_TUPLE_FIELDS = ("mrope_section", "eos_token_ids", "vision_full_attention_blocks", "rope_llama3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,9 @@ class ModelConfig:
     intermediate_size: int = 352  # SwiGLU hidden width, ~2.75 x dim
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1 frequency rescaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None = plain RoPE frequencies.
+    rope_llama3: tuple[float, float, float, int] | None = None
     max_seq_len: int = 4096  # rotary table length; positions never exceed the token index
     position_scheme: PositionScheme = "rope"
     # Rotary frequency pairs driven by the (t, h, w) position components under M-RoPE;
@@ -140,7 +143,7 @@ class ModelConfig:
         if unknown:
             raise InvalidInput(f"unknown model config keys {unknown}")
         for key in _TUPLE_FIELDS:
-            if key in raw:
+            if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
         return cls(**raw)
 
