@@ -17,6 +17,7 @@ from tandem_operator.reconcile import (
     cells_from_status,
     retry_delay,
     roll_blocker,
+    wait_delay,
 )
 
 GI = 1 << 30
@@ -90,3 +91,8 @@ def test_state_from_status_and_its_invariants() -> None:
 
 def test_retry_delay_backs_off_to_five_minutes() -> None:
     assert [retry_delay(r) for r in (0, 1, 2, 10)] == [5, 10, 20, 300]
+
+
+def test_waits_for_the_operators_own_work_back_off_to_thirty_seconds() -> None:
+    """A roll or cleanup wait posts an Event per retry: a few quick ones, then at most 2/min."""
+    assert [wait_delay(r) for r in range(8)] == [2, 2, 2, 4, 8, 16, 30, 30]

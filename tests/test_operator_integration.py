@@ -7,6 +7,7 @@ rules, as some apiservers do: there the operator's parser is the only check.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -27,6 +28,7 @@ from kube_emulator import KubeEmulator
 from kube_emulator.fixtures import CRD_PATH, node
 from test_crd_cel import VIOLATIONS
 
+from tandem_operator.kube import KubeApi, Rejected
 from tandem_testing.cells import stop_process
 
 T = TypeVar("T")
@@ -381,3 +383,20 @@ def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None
     wait_for(lambda: not cluster.apps.list_namespaced_deployment(ns).items,
              "the router to be removed with one cell left")
     assert router_cells() == []
+
+
+def test_a_refused_api_call_names_the_call(cluster: Cluster) -> None:
+    """What kopf posts when a handler fails with it: the call and the apiserver's words, not
+    the client's HTTP dump."""
+    ns = "iota"
+    cluster.core.create_namespace({"metadata": {"name": ns, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted"}}})
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": ns},
+           "spec": {"containers": [{"name": "c", "image": "i"}],
+                    "volumes": [{"name": "v", "hostPath": {"path": "/x"}}]}}
+    with pytest.raises(Rejected) as refused:
+        asyncio.run(KubeApi(cluster.core.api_client).apply(pod))
+    assert str(refused.value) == (
+        f'creating Pod {ns}/p was refused (403): pods "p" is forbidden: violates PodSecurity '
+        '"restricted:latest": hostPath volumes (volumes "v")')
+    assert refused.value.pod_security

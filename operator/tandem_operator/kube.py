@@ -30,10 +30,12 @@ _KINDS = {  # kind -> (API class, method suffix)
 
 
 class Rejected(Exception):
-    """The apiserver refused to create an object (admission, quota, validation)."""
+    """The apiserver refused a call (admission, quota, validation, RBAC). `str()` names the
+    call, for the Event kopf posts when a handler fails with it (a raw ApiException would
+    post HTTP headers); `message` is the apiserver's own words."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, status: int, message: str, call: str) -> None:
+        super().__init__(f"{call} was refused ({status}): {message}")
         self.status = status
         self.message = message
 
@@ -47,6 +49,10 @@ def _message(e: ApiException) -> str:
         return str(json.loads(e.body or "{}").get("message") or e.reason)
     except ValueError:
         return str(e.reason)
+
+
+def _rejected(e: ApiException, call: str) -> Rejected:
+    return Rejected(e.status or 0, _message(e), call)
 
 
 class KubeApi:
@@ -78,16 +84,21 @@ class KubeApi:
 
     def _apply(self, obj: Mapping[str, Any], create_only: bool, dry_run: bool) -> None:
         kind, meta = obj["kind"], obj["metadata"]
+        what = f"{kind} {meta['namespace']}/{meta['name']}"
         extra = {"dry_run": "All"} if dry_run else {}
         try:
             self._method("create", kind)(meta["namespace"], obj, **extra)
             return
         except ApiException as e:
             if e.status != 409 or dry_run:
-                raise Rejected(e.status or 0, _message(e)) from e
-        if not create_only:  # 409: it exists; a merge patch of the whole object updates it
+                raise _rejected(e, f"{'a dry run of ' if dry_run else ''}creating {what}") from e
+        if create_only:
+            return
+        try:  # 409: it exists; a merge patch of the whole object updates it
             self._method("patch", kind)(meta["name"], meta["namespace"], obj,
                                         _content_type=_MERGE_PATCH)
+        except ApiException as e:
+            raise _rejected(e, f"updating {what}") from e
 
     async def apply(self, obj: Mapping[str, Any], create_only: bool = False) -> None:
         """Create, or (409: it exists) merge-patch it to the built state.
@@ -105,7 +116,7 @@ class KubeApi:
             self._method("delete", kind)(name, namespace, propagation_policy="Background")
         except ApiException as e:
             if e.status != 404:
-                raise
+                raise _rejected(e, f"deleting {kind} {namespace}/{name}") from e
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete (dependents in the background); already gone is fine."""
@@ -117,7 +128,7 @@ class KubeApi:
         except ApiException as e:
             if e.status == 404:
                 return None
-            raise
+            raise _rejected(e, f"reading {kind} {namespace}/{name}") from e
         result: dict[str, Any] = self._client.sanitize_for_serialization(obj)
         return result
 
@@ -125,7 +136,10 @@ class KubeApi:
         return await asyncio.to_thread(self._read, kind, namespace, name)
 
     def _list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        result = self._method("list", kind)(namespace, label_selector=selector)
+        try:
+            result = self._method("list", kind)(namespace, label_selector=selector)
+        except ApiException as e:
+            raise _rejected(e, f"listing {kind} in {namespace} ({selector})") from e
         items: list[dict[str, Any]] = self._client.sanitize_for_serialization(result)["items"]
         return items
 

@@ -118,9 +118,10 @@ def retry_delay(retry: int) -> float:
 
 def wait_delay(retry: int) -> float:
     """Backoff while waiting for what the operator started (a cell rolling before the next
-    one, cleanup Jobs): 2 s doubling to 30 s. Each retry posts an Event, so a long model load
-    posts a few dozen, not one every 2 s; and a wait ends at most 30 s after its cause."""
-    return float(min(30, 2 * 2 ** min(retry, 4)))
+    one, cleanup Jobs): 2 s three times, then doubling to 30 s. Each retry posts an Event, so
+    a long model load posts a few dozen, not one every 2 s; short waits stay short, and a
+    wait ends at most 30 s after its cause."""
+    return float(min(30, 2 * 2 ** min(max(retry - 2, 0), 4)))
 
 
 async def place(state: ServiceState, spec: TandemSpec, nodes: Mapping[str, NodeInfo],
