@@ -167,6 +167,18 @@ def test_bad_models_fail_with_the_file_and_key(qwen2_vl: Path, tmp_path: Path) -
     (no_weights / "model.safetensors").unlink()
     fails(no_weights, str(no_weights), "model.safetensors", "model.safetensors.index.json")
 
+    sharded = save(reference("qwen2_vl"), tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    key, shard = next(iter(index["weight_map"].items()))
+    (sharded / shard).unlink()
+    fails(sharded, "model.safetensors.index.json", shard, "missing")
+    other = index["weight_map"]["model.norm.weight"]
+    assert other != shard
+    index["weight_map"] = {k: other if f == shard else f  # tensors listed in a shard
+                           for k, f in index["weight_map"].items()}  # that lacks them
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    fails(sharded, repr(key), "not readable")
+
     unknown = copy(qwen2_vl, tmp_path / "unknown")
     edit_config(unknown, lambda raw: raw.update(model_type="mamba"))
     fails(unknown, "config.json", "'model_type'", "mamba")

@@ -99,12 +99,12 @@ def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
                 if name not in expected:
                     raise InvalidInput(f"{where} is not part of a {config.model_type} model "
                                        "with this config.json", reason="BAD_CHECKPOINT")
-                tensor = _convert(name, f.get_tensor(key).to(dtype), config)
+                tensor = _convert(name, _read(f, key, where).to(dtype), config)
                 if part is None:
                     state[name], source[name] = tensor, where
                     continue
                 parts = pending.setdefault(name, {})
-                parts[part] = _check_part(tensor, part, name, config, where)
+                parts[part] = _check_part(tensor, part, config, where)
                 source[name] = where
                 if len(parts) == 3:
                     state[name] = torch.cat([parts.pop(p) for p in "qkv"])  # (q+2kv, ...)
@@ -147,6 +147,14 @@ def _open(path: Path, device: torch.device) -> Any:  # safetensors' handle has n
     except (SafetensorError, OSError) as exc:
         raise InvalidInput(f"{path}: not a readable safetensors file ({exc})",
                            reason="BAD_CHECKPOINT") from exc
+
+
+def _read(f: Any, key: str, where: str) -> Tensor:
+    """One tensor, on the device the file was opened for."""
+    try:
+        return f.get_tensor(key)
+    except SafetensorError as exc:  # an index naming a tensor its shard lacks
+        raise InvalidInput(f"{where}: not readable ({exc})", reason="BAD_CHECKPOINT") from exc
 
 
 def _unprefixed(key: str) -> str:
@@ -192,14 +200,14 @@ def _convert(name: str, t: Tensor, config: ModelConfig) -> Tensor:
     """Layout changes of tensors that are not fused (the vision tower's)."""
     if name == _PATCH_EMBED and t.dim() == 5:
         return t.reshape(t.shape[0], -1)  # (E, C, T, P, P) -> (E, C*T*P*P)
-    if _VISION_QKV.fullmatch(name) and t.shape[0] % 3 == 0:
+    if _VISION_QKV.fullmatch(name) and t.shape[0] == 3 * config.vision_dim:  # else _check
         q, k, v = t.chunk(3)  # (3*dim, ...) -> 3 x (dim, ...)
         d = config.vision_head_dim
         return torch.cat([rotate_half_to_interleaved(q, d), rotate_half_to_interleaved(k, d), v])
     return t
 
 
-def _check_part(t: Tensor, part: str, name: str, config: ModelConfig, where: str) -> Tensor:
+def _check_part(t: Tensor, part: str, config: ModelConfig, where: str) -> Tensor:
     """A q, k or v projection: check its rows, then permute q and k to interleaved pairs."""
     heads = config.n_heads if part == "q" else config.n_kv_heads
     rows = heads * config.head_dim
