@@ -230,3 +230,25 @@ def test_worker_with_a_bad_model_fails_at_start(qwen2_vl: Path, tmp_path: Path) 
             await shutdown(worker)
 
     asyncio.run(start())
+
+
+def test_worker_warms_up_on_checkpoints(qwen2_vl: Path, tmp_path: Path) -> None:
+    """The warm-up step uses the model's own ids (a VLM: BOS + one image placeholder through
+    the Qwen tower; a text-only model: BOS alone) and Describe carries them."""
+    llama = save(reference("llama"), tmp_path / "llama")
+
+    async def start(model_dir: Path) -> dict[str, Any]:
+        worker = await create_server(WorkerConfig(shm_dir=str(tmp_path / "shm"),
+                                                  model=str(model_dir), device="cpu",
+                                                  kv_cache_bytes=1 << 20))
+        try:
+            await worker.warmup
+            assert worker.servicer.describe.dtype == "float32"
+            return json.loads(worker.servicer.describe.model_config_json)
+        finally:
+            await shutdown(worker)
+
+    vlm, text = asyncio.run(start(qwen2_vl)), asyncio.run(start(llama))
+    assert (vlm["image_token_id"], vlm["bos_token_id"]) == (IMAGE_PAD, BOS)
+    assert (text["model_type"], text["image_token_id"], text["eos_token_ids"]) == (
+        "llama", None, [EOS])
