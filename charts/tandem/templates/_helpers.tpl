@@ -40,11 +40,15 @@ helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Versio
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
-{{/* The TandemService's name: the CRD allows 40 characters (children append suffixes). */}}
+{{/* The TandemService's name: the CRD allows 39 characters, a DNS label starting with a
+letter (children append suffixes; <name>-63-scheduler must leave room for pod labels). */}}
 {{- define "tandem.serviceName" -}}
 {{- $name := .Values.service.name | default (include "tandem.fullname" .) }}
-{{- if gt (len $name) 40 }}
-{{- fail (printf "the TandemService name %q is longer than 40 characters: set service.name" $name) }}
+{{- if gt (len $name) 39 }}
+{{- fail (printf "the TandemService name %q is longer than 39 characters: set service.name" $name) }}
+{{- end }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) }}
+{{- fail (printf "the TandemService name %q must be lower-case letters, digits and '-', start with a letter and end with a letter or digit: set service.name" $name) }}
 {{- end }}
 {{- $name }}
 {{- end }}
