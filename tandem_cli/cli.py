@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tandem import __version__
+from tandem.errors import TandemError
 from tandem.shared_dir import UnsafeSharedDir, prepare_shared_dir
 from tandem.sizes import parse_size
 from tandem.tls import TlsConfigError, TlsFiles
@@ -127,6 +128,9 @@ def _add_health_listen(p: argparse.ArgumentParser) -> None:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("DEVICE", "auto"))
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
+                   choices=("auto", "bfloat16", "float16", "float32"),
+                   help="serving dtype of the weights (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--kv-cache-size", type=size_arg, default=_env("KV_CACHE_SIZE", "256Mi"))
     p.add_argument("--gpu-memory-fraction", type=float,
                    default=float(_env("GPU_MEMORY_FRACTION", "0.8")))
@@ -161,7 +165,7 @@ def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen:
     return WorkerConfig(
         model=args.model, shm_dir=args.shm_dir, rank=rank, world_size=world_size,
         worker_listen=listen, health_listen=health_listen, device=args.device,
-        block_size=args.block_size,
+        dtype=args.dtype, block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
         tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
         tp_master_port=tp_master[1],
@@ -177,10 +181,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import multiprocessing
 
     from scheduler_svc.server import serve as serve_scheduler
+    from tandem.text import load_tokenizer
     from tandem_cli.supervisor import WorkerSupervisor
+    from worker_svc.checkpoint import check_model
 
     shm_dir = Path(args.shm_dir)
     prepare_shared_dir(shm_dir, args.shm_group_mode)  # refused: nothing started or removed
+    check_model(args.model)  # a bad model directory fails here, before any process starts
+    load_tokenizer(args.model)
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
     tracing_args = (args.otlp_endpoint, args.trace_file)
 
@@ -232,6 +240,9 @@ def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
     tracing.setup("tandem-worker", *tracing_args)
     try:
         serve(config)
+    except TandemError as exc:  # e.g. a model that passed the start-up check fails to load
+        print(f"tandem worker {config.rank}: error: {exc.message}", file=sys.stderr)
+        sys.exit(2)
     finally:
         tracing.shutdown()
 
@@ -264,8 +275,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from worker_svc.checkpoint import check_model
     from worker_svc.server import serve
 
+    check_model(args.model)
     _setup_tracing("tandem-worker", args)
     try:
         serve(_worker_config(args, args.rank, args.workers, args.worker_listen,
@@ -343,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (TlsConfigError, UnsafeSharedDir) as exc:  # settings the user must fix
         print(f"tandem {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except TandemError as exc:  # e.g. a model directory that cannot be served
+        print(f"tandem {argv[0]}: error: {exc.message}", file=sys.stderr)
         return 2
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from scheduler_svc.config import SchedulerConfig
-from tandem_cli.cli import _scheduler_config, build_parser
+from tandem_cli.cli import _scheduler_config, build_parser, main
 
 
 def test_limit_flags_reach_the_scheduler_config() -> None:
@@ -56,3 +58,16 @@ def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
             build_parser().parse_args(argv)
         out = capsys.readouterr().out
         assert "`" not in out, f"reStructuredText markup in tandem {' '.join(argv)}"
+
+
+def test_a_bad_model_directory_fails_serve_at_start_with_the_file_and_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mamba"}')
+    shm = tmp_path / "shm"
+    assert main(["serve", "--model", str(model), "--shm-dir", str(shm)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem serve: error: ") and "Traceback" not in err
+    assert f"{model / 'config.json'}: key 'model_type' is 'mamba'" in err
+    assert not list(shm.glob("*.sock")), "no worker was started"

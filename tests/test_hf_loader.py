@@ -21,7 +21,7 @@ from hf_checkpoints import BOS, EOS, IMAGE_PAD, VISION_END, VISION_START, refere
 from safetensors.torch import load_file, save_file
 
 from tandem.errors import InvalidInput
-from worker_svc.checkpoint import compute_dtype, export_model, load_model
+from worker_svc.checkpoint import check_model, compute_dtype, export_model, load_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig, model_config_from_name
 from worker_svc.server import create_server, shutdown
@@ -155,9 +155,11 @@ def test_dtype_setting(tmp_path: Path) -> None:
 
 def test_bad_models_fail_with_the_file_and_key(qwen2_vl: Path, tmp_path: Path) -> None:
     def fails(model_dir: Path, *fragments: str) -> None:
-        with pytest.raises(InvalidInput) as info:
-            load_model(str(model_dir), CPU, torch.float32)
-        assert all(f in info.value.message for f in fragments), info.value.message
+        for attempt in (lambda: load_model(str(model_dir), CPU, torch.float32),
+                        lambda: check_model(str(model_dir))):  # the start-up check too
+            with pytest.raises(InvalidInput) as info:
+                attempt()
+            assert all(f in info.value.message for f in fragments), info.value.message
 
     no_config = copy(qwen2_vl, tmp_path / "no-config")
     (no_config / "config.json").unlink()

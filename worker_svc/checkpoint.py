@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.errors import InvalidInput
-from worker_svc.hf_checkpoint import load_hf_weights
+from worker_svc.hf_checkpoint import check_hf_weights, load_hf_weights
 from worker_svc.model import Transformer
 from worker_svc.model_config import (
     CONFIG_FILE,
@@ -84,6 +84,18 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
         raise InvalidInput(f"weights in {name_or_path!r} do not match its config: {exc}",
                            reason="BAD_CHECKPOINT") from exc
     return model.eval().requires_grad_(False)
+
+
+def check_model(name_or_path: str) -> None:
+    """Refuse, before any process loads it, a model that cannot load: its config.json
+    (architecture, sizes) and, for a Hugging Face directory, every tensor's name and shape
+    from the safetensors headers. Raises InvalidInput naming the file and the key."""
+    config = model_config_from_name(name_or_path)
+    if config.model_type != TANDEM:
+        check_hf_weights(config, Path(name_or_path))
+    elif name_or_path not in PRESETS and not (Path(name_or_path) / WEIGHTS_FILE).is_file():
+        raise InvalidInput(f"{Path(name_or_path) / WEIGHTS_FILE}: file missing",
+                           reason="BAD_CHECKPOINT")
 
 
 def export_model(name: str, out_dir: str | Path) -> Path:

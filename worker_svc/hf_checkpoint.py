@@ -79,17 +79,63 @@ _PATCH_EMBED = "visual.patch_embed.proj.weight"
 
 def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
                     dtype: torch.dtype) -> None:
-    """Assign every parameter of ``model`` (on ``meta``) from the checkpoint in ``model_dir``."""
+    """Assign every parameter of ``model`` (on ``meta``) from the checkpoint in ``model_dir``.
+
+    Names and shapes are checked from the files' headers before any tensor is read, so a
+    bad checkpoint fails in milliseconds, however large (:func:`check_hf_weights`)."""
     config = model.config
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("output.weight")
+    plan = _checked_plan(config, model_dir, _expected(model))
     state: dict[str, Tensor] = {}
-    source: dict[str, str] = {}  # Tandem name -> "file: checkpoint key", for messages
     pending: dict[str, dict[str, Tensor]] = {}  # fused wqkv name -> its q, k, v parts
-    present: set[str] = set()  # checkpoint keys read, without their name prefixes
-    for path, keys in _weight_files(model_dir).items():
+    for path, entries in plan.items():
         with _open(path, device) as f:
+            for key, name, part in entries:
+                tensor = _convert(name, _read(f, key, f"{path}: tensor {key!r}").to(dtype),
+                                  config)
+                if part is None:
+                    state[name] = tensor
+                    continue
+                parts = pending.setdefault(name, {})
+                parts[part] = tensor if part == "v" else rotate_half_to_interleaved(
+                    tensor, config.head_dim)
+                if len(parts) == 3:
+                    state[name] = torch.cat([parts.pop(p) for p in "qkv"])  # (q+2kv, ...)
+                    del pending[name]
+    if config.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def check_hf_weights(config: ModelConfig, model_dir: Path) -> None:
+    """Every tensor the config needs is in the checkpoint with its shape, nothing else is:
+    read from the safetensors headers only (a start-up check before any process loads)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    _checked_plan(config, model_dir, _expected(model))
+
+
+def _expected(model: Transformer) -> dict[str, tuple[int, ...]]:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("output.weight")
+    return expected
+
+
+_Plan = dict[Path, list[tuple[str, str, str | None]]]  # file -> (key, Tandem name, q/k/v part)
+
+
+def _checked_plan(config: ModelConfig, model_dir: Path,
+                  expected: dict[str, tuple[int, ...]]) -> _Plan:
+    """What to read from which file, after checking names and converted shapes."""
+    plan: _Plan = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    source: dict[str, str] = {}  # Tandem name -> "file: checkpoint key", for messages
+    fused: dict[str, dict[str, tuple[int, ...]]] = {}  # wqkv name -> its parts' shapes
+    present: set[str] = set()  # checkpoint keys, without their name prefixes
+    for path, keys in _weight_files(model_dir).items():
+        with _open(path, torch.device("cpu")) as f:
             for key in keys:
                 name, part = _tandem_name(key)
                 present.add(_unprefixed(key))
@@ -99,22 +145,26 @@ def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
                 if name not in expected:
                     raise InvalidInput(f"{where} is not part of a {config.model_type} model "
                                        "with this config.json", reason="BAD_CHECKPOINT")
-                tensor = _convert(name, _read(f, key, where).to(dtype), config)
-                if part is None:
-                    state[name], source[name] = tensor, where
-                    continue
-                parts = pending.setdefault(name, {})
-                parts[part] = _check_part(tensor, part, config, where)
+                shape = _header_shape(f, key, where)
+                plan.setdefault(path, []).append((key, name, part))
                 source[name] = where
+                if part is None:
+                    shapes[name] = _converted_shape(name, shape)
+                    continue
+                parts = fused.setdefault(name, {})
+                parts[part] = _check_part(shape, part, config, where)
                 if len(parts) == 3:
-                    state[name] = torch.cat([parts.pop(p) for p in "qkv"])  # (q+2kv, ...)
-                    del pending[name]
-    _check(state, expected, source, present, model_dir, config)
-    if config.tie_word_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+                    rows = sum(parts[p][0] for p in "qkv")
+                    shapes[name] = (rows, *parts["q"][1:])
+    _check(shapes, expected, source, present, model_dir, config)
+    return plan
+
+
+def _header_shape(f: Any, key: str, where: str) -> tuple[int, ...]:
+    try:
+        return tuple(f.get_slice(key).get_shape())
+    except SafetensorError as exc:  # an index naming a tensor its shard lacks
+        raise InvalidInput(f"{where}: not readable ({exc})", reason="BAD_CHECKPOINT") from exc
 
 
 def _weight_files(model_dir: Path) -> dict[Path, list[str]]:
@@ -207,27 +257,36 @@ def _convert(name: str, t: Tensor, config: ModelConfig) -> Tensor:
     return t
 
 
-def _check_part(t: Tensor, part: str, config: ModelConfig, where: str) -> Tensor:
-    """A q, k or v projection: check its rows, then permute q and k to interleaved pairs."""
+def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape :func:`_convert` gives a tensor of ``shape`` (only the patch embedding's
+    changes)."""
+    if name == _PATCH_EMBED and len(shape) == 5:
+        return (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
+    return shape
+
+
+def _check_part(shape: tuple[int, ...], part: str, config: ModelConfig,
+                where: str) -> tuple[int, ...]:
+    """A q, k or v projection's shape, once its rows match the heads."""
     heads = config.n_heads if part == "q" else config.n_kv_heads
     rows = heads * config.head_dim
-    if t.shape[0] != rows:
-        raise InvalidInput(f"{where} has shape {tuple(t.shape)}; {heads} heads of "
+    if shape[0] != rows:
+        raise InvalidInput(f"{where} has shape {shape}; {heads} heads of "
                            f"{config.head_dim} need {rows} rows", reason="BAD_CHECKPOINT")
-    return t if part == "v" else rotate_half_to_interleaved(t, config.head_dim)
+    return shape
 
 
-def _check(state: dict[str, Tensor], expected: dict[str, tuple[int, ...]],
+def _check(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
            source: dict[str, str], present: set[str], model_dir: Path,
            config: ModelConfig) -> None:
     """Every expected parameter present with its shape, or an error naming the tensor."""
     for name, shape in expected.items():
-        if name not in state:
+        if name not in shapes:
             missing = [k for k in checkpoint_names(name) if k not in present]
             raise InvalidInput(f"{model_dir}: the checkpoint has no tensor {missing[0]!r} "
                                f"(none under either name prefix), which {CONFIG_FILE} needs",
                                reason="BAD_CHECKPOINT")
-        got = tuple(state[name].shape)
+        got = shapes[name]
         if got == shape:
             continue
         if name in ("tok_embeddings.weight", "output.weight") and got[1:] == shape[1:]:
