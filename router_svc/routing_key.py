@@ -3,8 +3,16 @@
 A cell's caches pay off when requests that share cached work land on it: the processed
 image (processor cache, keyed by the image's identity and the salt) and the KV prefix
 (prefix cache, chained from the first block and the salt). So the key is the salt plus
-the first image's identity, or, for a text-only request, the salt plus the first full
-prompt block's tokens.
+the first image's identity, or, for a text-only request, the salt plus the first
+``block_size`` bytes of its text.
+
+Why bytes, not tokens: the router serves any model and holds no tokenizer. Every token
+of a byte-level or byte-fallback vocabulary stands for at least one byte of text, so two
+prompts that share their first KV block (``block_size`` tokens) share at least their first
+``block_size`` bytes: the key keeps requests that share a cached block together. (Prompts
+that share fewer bytes may still meet on one cell; that costs nothing but balance.) A chat
+request's text is its messages' roles and text parts in order, which the model's chat
+template renders in that order.
 
 The key only has to be stable across processes and equal for requests that share cache
 entries; it need not equal the scheduler's mm hash (the router does not import the
@@ -16,7 +24,6 @@ from __future__ import annotations
 import hashlib
 from typing import NewType
 
-from tandem.tokenizer import encode
 from tandem.v1 import generate_pb2
 
 RoutingKey = NewType("RoutingKey", bytes)
@@ -27,10 +34,13 @@ KEY_VERSION = b"tandem.routing-key.v1"
 
 
 def routing_key(request: generate_pb2.GenerateRequest, block_size: int) -> RoutingKey:
-    """sha256 of (version, salt, first image's identity | first prompt block's tokens)."""
-    if request.images:
-        return _digest(request.cache_salt.encode(), *image_identity(request.images[0]))
-    return _digest(request.cache_salt.encode(), b"block", first_block(request.prompt, block_size))
+    """sha256 of (version, salt, first image's identity | first block of text)."""
+    salt = request.cache_salt.encode()
+    images = [*request.images, *(part.image for m in request.messages for part in m.content
+                                 if part.HasField("image"))]
+    if images:
+        return _digest(salt, *image_identity(images[0]))
+    return _digest(salt, b"text", first_block(request, block_size))
 
 
 def image_identity(item: generate_pb2.MediaItem) -> tuple[bytes, ...]:
@@ -48,14 +58,19 @@ def image_identity(item: generate_pb2.MediaItem) -> tuple[bytes, ...]:
     return b"encoded", item.encoded
 
 
-def first_block(prompt: str, block_size: int) -> bytes:
-    """The token ids of the prompt's first full KV block as little-endian uint32.
-
-    A prompt shorter than one block has no cacheable prefix; its whole token list is used
-    so that the key is still stable.
-    """
-    ids = encode(prompt)[:block_size]
-    return b"".join(i.to_bytes(4, "little") for i in ids)
+def first_block(request: generate_pb2.GenerateRequest, block_size: int) -> bytes:
+    """The first ``block_size`` bytes of the request's text (all of it when shorter, so that
+    the key is still stable)."""
+    if not request.messages:
+        return request.prompt.encode()[:block_size]
+    text = bytearray()
+    for message in request.messages:
+        text += message.role.encode() + b"\0"
+        for part in message.content:
+            text += part.text.encode()
+            if len(text) >= block_size:
+                return bytes(text[:block_size])
+    return bytes(text)
 
 
 def _digest(*parts: bytes) -> RoutingKey:

@@ -161,11 +161,42 @@ def test_routing_key_follows_what_the_cells_cache() -> None:
     tall = generate_pb2.MediaItem(tensor={"dtype": "float32", "shape": [4, 1, 3],
                                           "data": bytes(48)})
     assert routing_key(_req("<image>", [flat]), 16) != routing_key(_req("<image>", [tall]), 16)
-    # Text: only the first full block (BOS + 15 bytes at block size 16) counts.
+    # Text: only the first block_size bytes count (a shared first block shares them).
     system = "You are a careful assistant. "
     assert routing_key(_req(system + "Hi"), 16) == routing_key(_req(system + "Bye"), 16)
     assert routing_key(_req("Short one"), 16) != routing_key(_req("Short two"), 16)
     assert routing_key(_req(system + "Hi"), 16) != routing_key(_req(system + "Hi", salt="t"), 16)
+
+
+def _chat(*turns: tuple[str, list[str | generate_pb2.MediaItem]],
+          salt: str = "") -> generate_pb2.GenerateRequest:
+    msg = generate_pb2.GenerateRequest(cache_salt=salt)
+    for role, parts in turns:
+        turn = msg.messages.add(role=role)
+        for part in parts:
+            if isinstance(part, str):
+                turn.content.add(text=part)
+            else:
+                turn.content.add(image=part)
+    return msg
+
+
+def test_routing_key_of_chat_requests() -> None:
+    img = generate_pb2.MediaItem(encoded=b"\x89PNG one")
+    other = generate_pb2.MediaItem(encoded=b"\x89PNG two")
+    # The first image of the conversation decides, as for a prompt with the same image.
+    key = routing_key(_chat(("user", ["Describe ", img])), 16)
+    assert key == routing_key(_req("Describe <image>.", [img]), 16)
+    assert key == routing_key(_chat(("system", ["Be brief."]), ("user", [img, "and", other])), 16)
+    assert key != routing_key(_chat(("user", [other, img])), 16)
+    assert key != routing_key(_chat(("user", ["Describe ", img]), salt="t"), 16)
+    # Text only: a shared system message (the rendered prompt's first block) shares the key.
+    system = ("system", ["You are a careful assistant."])
+    assert routing_key(_chat(system, ("user", ["Hi"])), 16) == \
+        routing_key(_chat(system, ("user", ["Bye"])), 16)
+    assert routing_key(_chat(("system", ["A"]), ("user", ["Hi"])), 16) != \
+        routing_key(_chat(("system", ["B"]), ("user", ["Hi"])), 16)
+    assert routing_key(_chat(("user", ["Hi"])), 16) != routing_key(_chat(("assistant", ["Hi"])), 16)
 
 
 def test_stats_sum_and_per_cell_round_trip() -> None:
