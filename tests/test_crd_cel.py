@@ -32,6 +32,17 @@ VIOLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "size(self.metadata.name) <= 39": ("a" * (MAX_NAME_LENGTH + 1), {}),
     "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')": ("7th.demo", {}),
     "!has(self.claimName) || has(self.path)": ("demo", {"model": {"claimName": "models"}}),
+    "!has(self.hostPath) || has(self.path)": ("demo", {"model": {"hostPath": "/data/q"}}),
+    "!has(self.claimName) || !has(self.hostPath)": (
+        "demo", {"model": {"path": "/models/q", "claimName": "models", "hostPath": "/data/q"}}),
+    "!has(self.subPath) || has(self.claimName)": (
+        "demo", {"model": {"path": "/models/q", "subPath": "q"}}),
+    "!self.matches('^/+(tmp|dev/shm|var/run/tandem|etc/tandem/tls|etc/tandem/client-ca)?/*$')": (
+        "demo", {"model": {"path": "/tmp/"}}),
+    "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')": (
+        "demo", {"model": {"path": "/models/q", "claimName": "models", "subPath": "q/../.."}}),
+    "!self.contains('/../') && !self.endsWith('/..')": (
+        "demo", {"model": {"path": "/models/q", "hostPath": "/data/q/.."}}),
     "!has(self.port) || !(self.port in [9400, 9401, 50061])": (
         "demo", {"scheduler": {"port": 50061}}),
     "!has(self.device) || !self.device.startsWith('cuda') || !has(self.gpu) "

@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from kube_emulator.cel import rule_failures
 from kube_emulator.fixtures import CRD_PATH, REPO, SCHEMA, defaulted_spec, tandem_spec
 from kube_emulator.schema import apply_defaults, cel_rules, load_crd, validation_errors
 
@@ -21,11 +22,13 @@ from tandem_operator.spec import (
     GROUP,
     KIND,
     PLURAL,
+    RESERVED_MOUNTS,
     RESERVED_PORTS,
     VERSION,
     SpecError,
     parse_spec,
 )
+from tandem_operator.workloads import build_pod_template
 
 EXAMPLES = sorted((REPO / "docs").rglob("*.yaml"))
 
@@ -131,6 +134,70 @@ def test_the_ports_scheduler_port_must_avoid_are_the_pods_own() -> None:
     assert set(RESERVED_PORTS) == {SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, HEALTH_PORT}
     [rule] = [r for path, r in cel_rules(SCHEMA) if path == "spec.scheduler"]
     assert all(str(port) in rule for port in RESERVED_PORTS)
+
+
+def test_the_mounts_model_path_must_avoid_are_the_pods_own() -> None:
+    """The CEL rule on model.path and the parser name every directory the cell pods mount
+    (with everything on), so a model volume never collides with one of them."""
+    spec = tandem_spec({"model": {"path": "/models/q", "claimName": "models"},
+                        "tls": {"secretName": "t", "clientCASecretName": "ca"}})
+    cell = Cell(0, "a", 1 << 30, 1 << 30, 1)
+    own = {m["mountPath"] for component in ("scheduler", "worker")
+           for m in build_pod_template(spec, cell, component)["spec"]["containers"][0][
+               "volumeMounts"] if m["name"] != "model"}
+    assert own == set(RESERVED_MOUNTS)
+    [rule] = [r for path, r in cel_rules(SCHEMA) if path == "spec.model.path"]
+    assert all(mount.lstrip("/") in rule for mount in RESERVED_MOUNTS)
+    for path in ("/", "//", "/tmp", "/tmp/", "/dev/shm", "//var/run/tandem//"):
+        with pytest.raises(SpecError, match="is taken"):
+            tandem_spec({"model": {"path": path}})
+    for path in ("/tmpx", "/tmp/models/q", "/models", "/dev/shm2"):
+        assert tandem_spec({"model": {"path": path}}).model.setting == path
+
+
+@pytest.mark.parametrize("sub_path,ok", [
+    ("q", True), ("org/q-2b", True), ("..q", True), ("q../r", True), ("./q", True),
+    ("/q", False), ("..", False), ("../q", False), ("q/..", False), ("q/../../r", False)])
+def test_a_sub_path_is_a_relative_path_without_backsteps(sub_path: str, ok: bool) -> None:
+    """The parser and the CEL rule agree on both sides of the line (Kubernetes' own check
+    on a volume mount's subPath)."""
+    model = {"path": "/models/q", "claimName": "models", "subPath": sub_path}
+    failures = [f.rule for f in rule_failures(
+        SCHEMA, {"metadata": {"name": "demo"}, "spec": defaulted_spec({"model": model})})]
+    assert (failures == []) == ok, failures
+    if ok:
+        assert tandem_spec({"model": model}).model.sub_path == sub_path
+    else:
+        with pytest.raises(SpecError, match=r"relative path without '\.\.'"):
+            tandem_spec({"model": model})
+
+
+@pytest.mark.parametrize("host_path,ok", [
+    ("/data/models/q", True), ("/data/..q/q..", True), ("/data/../q", False),
+    ("/data/q/..", False), ("/..", False)])
+def test_a_host_path_has_no_backsteps(host_path: str, ok: bool) -> None:
+    model = {"path": "/models/q", "hostPath": host_path}
+    failures = [f.rule for f in rule_failures(
+        SCHEMA, {"metadata": {"name": "demo"}, "spec": defaulted_spec({"model": model})})]
+    assert (failures == []) == ok, failures
+    if ok:
+        assert tandem_spec({"model": model}).model.host_path == host_path
+    else:
+        with pytest.raises(SpecError, match=r"must not contain a '\.\.' element"):
+            tandem_spec({"model": model})
+
+
+def test_model_fields_refused_by_the_structural_schema() -> None:
+    """What no CEL rule has to say because the schema already refuses it (always on)."""
+    for model, field in (({"path": "models/q"}, "path"), ({"path": "/m", "claimName": ""},
+                                                           "claimName"),
+                         ({"path": "/m", "claimName": "Models"}, "claimName"),
+                         ({"path": "/m", "claimName": "m", "subPath": ""}, "subPath"),
+                         ({"path": "/m", "hostPath": "data/q"}, "hostPath")):
+        doc = {"apiVersion": "tandem.dev/v1alpha1", "kind": KIND,
+               "metadata": {"name": "demo"}, "spec": {"model": model}}
+        errors = list(validation_errors(SCHEMA, doc))
+        assert errors and all(e.startswith(f"spec.model.{field}:") for e in errors), errors
 
 
 def test_tensor_parallelism_and_the_router_parse() -> None:

@@ -44,7 +44,7 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 
 def every_manifest() -> list[dict[str, Any]]:
     spec = tandem_spec({
-        "cells": 2, "model": {"path": "/models/m", "claimName": "weights"},
+        "cells": 2, "model": {"path": "/models/m", "claimName": "weights", "subPath": "m"},
         "image": {"pullSecrets": ["ghcr"]},
         "tracing": {"endpoint": "otel-collector:4317"},
         "tls": {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"},
@@ -61,8 +61,10 @@ def every_manifest() -> list[dict[str, Any]]:
     pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
            "metadata": {**template["metadata"], "name": "p", "namespace": "serving"}}
     cells = [CELL, Cell(0, "gpu-1", GI, GI, 1)]
+    on_node = tandem_spec({"model": {"path": "/models/m", "hostPath": "/var/lib/models/m"}})
     return [build_configmap(spec, CELL), build_statefulset(spec, CELL, "scheduler"),
-            build_statefulset(spec, CELL, "worker"), build_service(spec),
+            build_statefulset(spec, CELL, "worker"), build_statefulset(on_node, CELL, "worker"),
+            build_service(spec),
             build_service(spec, headless=True), build_cleanup_job(spec, 1, "gpu-7"),
             build_cleanup_job(spec, 1, "gpu-7", generation=4), pod,
             build_service(spec, routed=True), build_workers_service(spec),
@@ -292,6 +294,56 @@ def test_cell_containers_are_non_root_read_only_and_write_only_to_volumes(
     assert ctx["allowPrivilegeEscalation"] is False
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"]}
     assert [m["mountPath"] for m in init["volumeMounts"]] == ["/var/run/tandem-cell"]
+
+
+MODEL_SOURCES = {
+    "claim": ({"claimName": "models", "subPath": "qwen2-vl-2b"},
+              {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+              {"subPath": "qwen2-vl-2b"}),
+    "claim root": ({"claimName": "models"},
+                   {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}, {}),
+    "node": ({"hostPath": "/var/lib/tandem/models/q"},
+             {"hostPath": {"path": "/var/lib/tandem/models/q", "type": "Directory"}}, {}),
+}
+
+
+@pytest.mark.parametrize("source", MODEL_SOURCES)
+def test_the_model_is_mounted_read_only_at_its_path_in_the_scheduler_and_every_worker(
+        source: str) -> None:
+    fields, volume, extra = MODEL_SOURCES[source]
+    spec = tandem_spec({"cells": 2, "model": {"path": "/models/q", **fields},
+                        "tls": {"secretName": "demo-tls"}})
+    assert build_configmap(spec, CELL)["data"]["TANDEM_MODEL"] == "/models/q"
+    for component in ("scheduler", "worker"):
+        pod = build_pod_template(spec, CELL, component)["spec"]
+        assert [v for v in pod["volumes"] if v["name"] == "model"] == [{"name": "model",
+                                                                        **volume}]
+        [c] = pod["containers"]
+        assert [m for m in c["volumeMounts"] if m["name"] == "model"] == [
+            {"name": "model", "mountPath": "/models/q", "readOnly": True, **extra}]
+        assert "model" not in [m["name"] for m in pod["initContainers"][0]["volumeMounts"]]
+    router = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    assert "model" not in [v["name"] for v in router["volumes"]], "the router loads no model"
+
+
+def test_a_preset_or_a_directory_in_the_image_mounts_nothing() -> None:
+    for model, setting in (({}, "tiny"), ({"name": "small"}, "small"),
+                           ({"path": "/opt/models/q"}, "/opt/models/q")):
+        spec = tandem_spec({"model": model})
+        assert build_configmap(spec, CELL)["data"]["TANDEM_MODEL"] == setting
+        for component in ("scheduler", "worker"):
+            pod = build_pod_template(spec, CELL, component)["spec"]
+            assert "model" not in [v["name"] for v in pod["volumes"]]
+
+
+@pytest.mark.parametrize("component", ["scheduler", "worker"])
+def test_a_failed_start_leaves_its_last_log_lines_as_the_termination_message(
+        component: str) -> None:
+    """FallbackToLogsOnError: the one-line start-up error becomes lastState.terminated.message
+    (conditions.pod_problem shows it in the TandemService's status)."""
+    pod = build_pod_template(tandem_spec({}), CELL, component)["spec"]
+    for c in [*pod["containers"], *pod["initContainers"]]:
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError", c["name"]
 
 
 def test_router_and_cleanup_containers_are_locked_down() -> None:

@@ -21,6 +21,10 @@ HEALTH_PORT = 50061  # every pod's plaintext health-only port (kubelet probes)
 SCRATCH_DIR = "/tmp"  # the containers' only writable path besides their volumes
 SCRATCH_MOUNT = {"name": "tmp", "mountPath": SCRATCH_DIR}
 SCRATCH_ENV = {"name": "HOME", "value": SCRATCH_DIR}  # the image sets it too; another may not
+# A container that exits with an error gets the tail of its log as its termination message:
+# the one-line start-up error (a model that cannot be loaded, a bad certificate) then shows
+# in the pod's lastState and, through conditions.pod_problem, in the TandemService's status.
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 # A root task on the segment directory is a few file operations: small, fixed resources.
 TASK_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}
 
@@ -133,6 +137,7 @@ def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
         "resources": dict(c.resources),
         "volumeMounts": [dict(m) for m in c.mounts],
         "securityContext": container_security(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         **probes(spec, c.ready_service),
     }
 
@@ -174,4 +179,5 @@ def root_task_container(spec: TandemSpec, name: str, command: list[str],
                             "capabilities": {"drop": ["ALL"], "add": capabilities}},
         "resources": {k: dict(v) for k, v in TASK_RESOURCES.items()},
         "volumeMounts": mounts,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }

@@ -91,7 +91,7 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
     workers = spec.worker.workers_per_cell
     data = {
         "TANDEM_SHM_DIR": SHM_MOUNT,
-        "TANDEM_MODEL": spec.model,
+        "TANDEM_MODEL": spec.model.setting,
         "TANDEM_MM_CACHE": spec.cache.type,
         "TANDEM_MM_CACHE_SIZE": str(cell.cache_bytes),
         "TANDEM_MM_CACHE_MAX_OBJECT_SIZE": str(spec.cache.max_object_size),

@@ -26,6 +26,10 @@ PLURAL = "tandemservices"
 KIND = "TandemService"
 # The pods' metrics and health ports (manifests.py), which scheduler.port must avoid.
 RESERVED_PORTS = (9400, 9401, 50061)
+# The pods' own mount points (manifests.py, containers.py), which model.path must avoid: a
+# second volume there makes the pod invalid (mount paths are unique per container).
+RESERVED_MOUNTS = ("/tmp", "/dev/shm", "/var/run/tandem", "/etc/tandem/tls",
+                   "/etc/tandem/client-ca")
 MAX_CELLS = 64  # the CRD's maximum of spec.cells
 # A StatefulSet's pods carry the label controller-revision-hash=<statefulset>-<hash of up to 10
 # characters>, and label values hold at most 63, so a StatefulSet name holds at most 52. The
@@ -51,6 +55,31 @@ class Resources:
 
     requests: Mapping[str, str]
     limits: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler and every worker load, and from which volume.
+
+    The scheduler reads the tokenizer, chat template and image processor files and the
+    workers config.json and the weights, so both see the directory at the same `path`
+    (TANDEM_MODEL). At most one of `claim_name` and `host_path` is set (a CEL rule).
+    """
+
+    name: str  # built-in preset, used when `path` is ""
+    path: str  # the directory inside the pods ("" = the preset)
+    claim_name: str  # PersistentVolumeClaim mounted read-only at `path` ("" = none)
+    sub_path: str  # the claim's directory mounted there ("" = its root)
+    host_path: str  # the node's directory mounted read-only at `path` ("" = none)
+
+    @property
+    def setting(self) -> str:
+        """TANDEM_MODEL of the scheduler and the workers."""
+        return self.path or self.name
+
+    @property
+    def mounted(self) -> bool:
+        return bool(self.claim_name or self.host_path)
 
 
 @dataclass(frozen=True)
@@ -128,8 +157,7 @@ class TandemSpec:
 
     name: str
     namespace: str
-    model: str  # TANDEM_MODEL: a preset name or a directory
-    model_claim: str  # PVC mounted read-only at `model` ("" = none)
+    model: ModelSpec
     cells: int
     pull_policy: str
     pull_secrets: tuple[str, ...]
@@ -209,8 +237,9 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
     return TandemSpec(
         name=name,
         namespace=namespace,
-        model=model.get("path") or model["name"],
-        model_claim=model.get("claimName", ""),
+        model=ModelSpec(name=model["name"], path=model.get("path", ""),
+                        claim_name=model.get("claimName", ""),
+                        sub_path=model.get("subPath", ""), host_path=model.get("hostPath", "")),
         cells=s["cells"],
         pull_policy=image["pullPolicy"],
         pull_secrets=tuple(image.get("pullSecrets") or ()),
@@ -258,11 +287,39 @@ def _check_name(name: str) -> None:
             "digits and '-'); it names the Services, which need one. Recreate it renamed")
 
 
-def _check_rules(s: TandemSpec, model_path: str) -> None:
-    """The CRD's CEL rules on the spec, one `if` each, in the CRD's order."""
-    if s.model_claim and not model_path:
-        raise SpecError(f"model.claimName {s.model_claim!r} needs model.path: the directory "
+def _has_backstep(path: str) -> bool:
+    """A `..` element, which Kubernetes refuses in a subPath and in a hostPath."""
+    return ".." in path.split("/")
+
+
+def _check_model(m: ModelSpec) -> None:
+    """The CRD's CEL rules on spec.model and its fields, in the CRD's order."""
+    if m.claim_name and not m.path:
+        raise SpecError(f"model.claimName {m.claim_name!r} needs model.path: the directory "
                         "the claim is mounted at, where the pods load the model from")
+    if m.host_path and not m.path:
+        raise SpecError(f"model.hostPath {m.host_path!r} needs model.path: the directory the "
+                        "node's directory is mounted at, where the pods load the model from")
+    if m.claim_name and m.host_path:
+        raise SpecError(f"model.claimName {m.claim_name!r} and model.hostPath {m.host_path!r} "
+                        "exclude each other: the model comes from one volume; keep one")
+    if m.sub_path and not m.claim_name:
+        raise SpecError(f"model.subPath {m.sub_path!r} needs model.claimName: it is a directory "
+                        "inside that claim (a node's directory goes whole into model.hostPath)")
+    if m.path and "/" + m.path.strip("/") in ("/", *RESERVED_MOUNTS):
+        raise SpecError(f"model.path {m.path!r} is taken: /, {', '.join(RESERVED_MOUNTS)} are "
+                        "the pods' own mounts; choose another directory, e.g. /models/<name>")
+    if m.sub_path.startswith("/") or _has_backstep(m.sub_path):
+        raise SpecError(f"model.subPath {m.sub_path!r} must be a relative path without '..' "
+                        "elements: a directory inside the claim")
+    if _has_backstep(m.host_path):
+        raise SpecError(f"model.hostPath {m.host_path!r} must not contain a '..' element "
+                        "(Kubernetes refuses it): write the directory out")
+
+
+def _check_rules(s: TandemSpec) -> None:
+    """The CRD's CEL rules on the spec, one `if` each, in the CRD's order."""
+    _check_model(s.model)
     if s.scheduler.port in RESERVED_PORTS:
         raise SpecError(f"scheduler.port {s.scheduler.port} is taken: 9400, 9401 and 50061 are "
                         "the pods' metrics and health ports; choose another (default 50051)")
@@ -291,7 +348,6 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],
         _check_name(name)
     try:
         parsed = _parse(name, namespace, spec)
-        model_path = spec["model"].get("path", "")
     except KeyError as e:
         raise SpecError(
             f"spec field {e.args[0]!r} is missing: the CRD's defaults were not applied "
@@ -300,6 +356,6 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],
     except ValueError as e:  # a quantity the CRD pattern let through but Kubernetes rejects
         raise SpecError(f"invalid quantity in the spec: {e}") from e
     if check_rules:
-        _check_rules(parsed, model_path)
+        _check_rules(parsed)
     return parsed
 

@@ -41,7 +41,7 @@ from tandem_operator.manifests import (
     workers_service_name,
 )
 from tandem_operator.placement import INSTANCE_LABEL, Cell
-from tandem_operator.spec import TandemSpec
+from tandem_operator.spec import ModelSpec, TandemSpec
 
 HOSTNAME = "kubernetes.io/hostname"
 # Prepares the cell directory before any Tandem process touches it: kubelet creates hostPath
@@ -104,15 +104,37 @@ def _affinity(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     return affinity
 
 
+def _model_volume(model: ModelSpec) -> list[dict[str, Any]]:
+    """The model's volume, when it comes from one: the scheduler (tokenizer, chat template,
+    image processor) and the workers (config, weights) read the same directory.
+
+    A node's directory is hostPath type Directory, not DirectoryOrCreate: a missing model
+    directory must keep the pods from starting (FailedMount on the pod), not hand them an
+    empty one that fails later as "no config.json".
+    """
+    if model.claim_name:
+        return [{"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name,
+                                                            "readOnly": True}}]
+    if model.host_path:
+        return [{"name": "model", "hostPath": {"path": model.host_path, "type": "Directory"}}]
+    return []
+
+
+def _model_mount(model: ModelSpec) -> dict[str, Any]:
+    """Read-only at model.path, TANDEM_MODEL, in the scheduler and every worker alike."""
+    mount: dict[str, Any] = {"name": "model", "mountPath": model.path, "readOnly": True}
+    if model.sub_path:
+        mount["subPath"] = model.sub_path
+    return mount
+
+
 def _volumes(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [{"name": "cell", "hostPath": {
         "path": cell_dir(spec, cell.index), "type": "DirectoryOrCreate"}}, scratch_volume()]
     if component == "worker" and spec.shm_size:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
                                                      "sizeLimit": str(spec.shm_size)}})
-    if spec.model_claim:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model_claim, "readOnly": True}})
+    volumes += _model_volume(spec.model)
     if component == "scheduler":
         volumes += tls_volumes(spec)[0]
     return volumes
@@ -124,8 +146,8 @@ def _mounts(spec: TandemSpec, cell: Cell, component: str) -> list[dict[str, Any]
                                     dict(SCRATCH_MOUNT)]
     if component == "worker" and spec.shm_size:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if spec.model_claim:
-        mounts.append({"name": "model", "mountPath": spec.model, "readOnly": True})
+    if spec.model.mounted:
+        mounts.append(_model_mount(spec.model))
     if component == "scheduler":
         mounts += tls_volumes(spec)[1]
     return mounts
