@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 from kube_emulator.fixtures import tandem_spec
 
 from tandem_operator.conditions import (
+    PROBLEM_CHARS,
     PodInfo,
     fold_verdicts,
     invalid_spec_conditions,
     observe_cell,
     pod_info,
+    pod_problem,
     ready_verdict,
     render_conditions,
 )
@@ -112,3 +119,152 @@ def test_invalid_spec_conditions() -> None:
     assert conditions["Ready"]["reason"] == "InvalidSpec"
     assert conditions["PlacementReady"]["status"] == "False"
     assert conditions["CacheReady"]["status"] == "Unknown"
+
+
+# --- pods that do not come up ---------------------------------------------------------------
+MODEL_ERROR = ("tandem worker: error: /models/q/config.json: key 'model_type' is 'foo'; "
+               "Tandem serves llama, qwen2, qwen2_vl, qwen2_5_vl")
+
+
+def pod_body(name: str, component: str, cell: int = 0, containers: list[dict] | None = None,
+             init: list[dict] | None = None, conditions: list[dict] | None = None) -> dict:
+    """A cell pod as the apiserver reports it, with kubelet's container statuses."""
+    status: dict = {"conditions": conditions or [{"type": "Ready", "status": "False"}]}
+    if containers is not None:
+        status["containerStatuses"] = containers
+    if init is not None:
+        status["initContainerStatuses"] = init
+    return {"metadata": {"name": name, "labels": {"tandem.dev/cell": str(cell),
+                                                  "app.kubernetes.io/component": component},
+                         "annotations": {"tandem.dev/config-hash": "h"}},
+            "spec": {"nodeName": "a"}, "status": status}
+
+
+def crash_looping(name: str, message: str, reason: str = "Error", code: int = 1) -> dict:
+    """kubelet's status of a container between restarts (CrashLoopBackOff)."""
+    return {"name": name, "ready": False, "restartCount": 4,
+            "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": f"back-off 1m20s restarting failed container={name}"}},
+            "lastState": {"terminated": {"exitCode": code, "reason": reason, "message": message}}}
+
+
+def test_a_crash_looping_worker_shows_its_last_log_line() -> None:
+    log_tail = "2026-01-01 worker_svc.server INFO worker 0 listening\n" + MODEL_ERROR + "\n"
+    body = pod_body("demo-0-workers-0", "worker", containers=[crash_looping("worker", log_tail)])
+    assert pod_info(body).problem == f"is crash-looping: {MODEL_ERROR} (Error, exit code 1)"
+
+
+def test_a_traceback_shows_its_exception_line() -> None:
+    """A process that dies with a traceback still has its error last."""
+    tail = ('Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+            "tandem.errors.InvalidInput: /models/q/model.safetensors: key 'lm_head.weight' "
+            "is missing\n")
+    body = pod_body("p", "worker", containers=[crash_looping("worker", tail)])
+    assert pod_problem(body) == ("is crash-looping: tandem.errors.InvalidInput: "
+                                 "/models/q/model.safetensors: key 'lm_head.weight' is missing "
+                                 "(Error, exit code 1)")
+
+
+def test_problems_without_a_message_and_the_other_container_states() -> None:
+    oom = crash_looping("worker", "", reason="OOMKilled", code=137)
+    assert pod_problem(pod_body("p", "worker", containers=[oom])) == (
+        "is crash-looping: OOMKilled, exit code 137")
+    running_again = {**crash_looping("worker", MODEL_ERROR), "state": {"running": {}}}
+    assert pod_problem(pod_body("p", "worker", containers=[running_again])) == (
+        f"failed: {MODEL_ERROR} (Error, exit code 1)")
+    recovered = {**running_again, "ready": True}
+    assert pod_problem(pod_body("p", "worker", containers=[recovered])) == ""
+    clean_exit = crash_looping("worker", "", reason="Completed", code=0)
+    assert pod_problem(pod_body("p", "worker", containers=[clean_exit])) == (
+        "is crash-looping: Completed, exit code 0")
+    pull = {"name": "worker", "ready": False, "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/x/y:1"'}}}
+    assert pod_problem(pod_body("p", "worker", containers=[pull])) == (
+        'is waiting: ImagePullBackOff: Back-off pulling image "ghcr.io/x/y:1"')
+    creating = {"name": "worker", "ready": False,
+                "state": {"waiting": {"reason": "ContainerCreating"}}}
+    assert pod_problem(pod_body("p", "worker", containers=[creating])) == ""
+
+
+def test_a_failed_init_container_and_an_unschedulable_pod() -> None:
+    prepare = crash_looping("prepare-segment", "chown: /var/run/tandem-cell/gen-1: Operation "
+                            "not permitted\n")
+    waiting = {"name": "scheduler", "ready": False,
+               "state": {"waiting": {"reason": "PodInitializing"}}}
+    body = pod_body("p", "scheduler", init=[prepare], containers=[waiting])
+    assert pod_problem(body) == (
+        "is crash-looping in init container prepare-segment: chown: "
+        "/var/run/tandem-cell/gen-1: Operation not permitted (Error, exit code 1)")
+    done = {"name": "prepare-segment", "ready": True,
+            "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    assert pod_problem(pod_body("p", "scheduler", init=[done], containers=[waiting])) == ""
+    pending = pod_body("p", "worker", conditions=[{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": '0/3 nodes are available: persistentvolumeclaim "models" not found.'}])
+    assert pod_problem(pending) == (
+        'cannot be scheduled: 0/3 nodes are available: persistentvolumeclaim "models" not found.')
+
+
+def test_a_long_message_is_cut() -> None:
+    body = pod_body("p", "worker", containers=[crash_looping("worker", "x" * 5000)])
+    problem = pod_problem(body)
+    assert problem == f"is crash-looping: {'x' * (PROBLEM_CHARS - 1)}… (Error, exit code 1)"
+
+
+def test_the_conditions_name_the_failing_pod_and_its_error() -> None:
+    """Ready (SchedulersNotReady: the scheduler waits for its workers) and WorkersReady both
+    quote the worker's start-up error, first; workers failing alike are counted once."""
+    failing = [pod_info(pod_body(f"demo-0-workers-{i}", "worker",
+                                 containers=[crash_looping("worker", MODEL_ERROR)]))
+               for i in range(2)]
+    scheduler = PodInfo("demo-0-scheduler-0", "scheduler", 0, "a", False, "h", False)
+    obs = {0: observe_cell(SPEC, CELLS[0], "h", [scheduler, *failing])}
+    verdicts = fold_verdicts(SPEC, CELLS[:1], obs, {})
+    problem = (f"worker pod demo-0-workers-0 is crash-looping: {MODEL_ERROR} (Error, exit code "
+               "1) (and 1 more pods alike)")
+    assert verdicts["WorkersReady"] == ("False", "WorkersNotReady", (
+        f"{problem}; 0/2 workers ready on the current config; waiting for StatefulSet "
+        "demo-0-workers (0/2 ready)"))
+    assert verdicts["SchedulerReady"][2] == (
+        f"{problem}; 0/1 schedulers ready on the current config; waiting for StatefulSet "
+        "demo-0-scheduler")
+    conditions = {c["type"]: c for c in render_conditions(verdicts, [], "T", 1)}
+    assert conditions["Ready"]["reason"] == "SchedulersNotReady"
+    assert conditions["Ready"]["message"].startswith(problem)
+
+
+def test_a_crash_looping_scheduler_is_named_and_many_problems_are_counted() -> None:
+    spec = tandem_spec({"cells": 5})
+    cells = [Cell(i, "a", GI, GI, 1) for i in range(5)]
+    pods = [pod_info(pod_body(f"demo-{i}-scheduler-0", "scheduler", cell=i, containers=[
+        crash_looping("scheduler", f"tandem scheduler: error: problem {i}")])) for i in range(5)]
+    obs = {c.index: observe_cell(spec, c, "h", pods) for c in cells}
+    message = fold_verdicts(spec, cells, obs, {})["SchedulerReady"][2]
+    assert message.startswith("scheduler pod demo-0-scheduler-0 is crash-looping: tandem "
+                              "scheduler: error: problem 0 (Error, exit code 1); scheduler pod "
+                              "demo-1-scheduler-0 is crash-looping: ")
+    assert "problem 2" in message and "problem 3" not in message
+    assert "; and 2 more pod problems; 0/5 schedulers ready" in message
+
+
+def test_a_real_worker_with_a_bad_model_says_why_in_the_condition(tmp_path: Path) -> None:
+    """`tandem worker` on a model directory with an unknown model_type, its output cut the
+    way kubelet cuts a log for FallbackToLogsOnError (the last 80 lines, at most 2048
+    bytes): the condition names the file and the key."""
+    model = tmp_path / "q"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "foo"}))
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_cli.cli", "worker", "--model", str(model), "--shm-dir",
+         str(shm), "--device", "cpu", "--health-listen", "127.0.0.1:0"],
+        capture_output=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    log = (proc.stdout + proc.stderr).splitlines(keepends=True)[-80:]
+    tail = b"".join(log)[-2048:].decode(errors="replace")
+    body = pod_body("demo-0-workers-0", "worker",
+                    containers=[crash_looping("worker", tail, code=proc.returncode)])
+    problem = pod_info(body).problem
+    assert problem.startswith("is crash-looping: ") and "Traceback" not in problem
+    assert f"{model}/config.json" in problem and "'model_type'" in problem, problem

@@ -400,3 +400,36 @@ def test_a_refused_api_call_names_the_call(cluster: Cluster) -> None:
         f'creating Pod {ns}/p was refused (403): pods "p" is forbidden: violates PodSecurity '
         '"restricted:latest": hostPath volumes (volumes "v")')
     assert refused.value.pod_security
+
+
+def test_a_worker_that_cannot_load_its_model_is_named_in_the_status(cluster: Cluster) -> None:
+    """The model's claim (a subPath of it) is mounted into the scheduler and the worker, and
+    when kubelet reports the worker crash-looping with its start-up error as termination
+    message, WorkersReady and Ready quote it with the pod's name."""
+    ns, name = "kappa", "svc"
+    cluster.create(ns, name, {"model": {"path": "/models/q", "claimName": "models",
+                                        "subPath": "qwen2-vl"}})
+    wait_for(lambda: is_ready(cluster, ns, name), "Ready")
+    for sts in ("svc-0-scheduler", "svc-0-workers"):
+        template = cluster.apps.read_namespaced_stateful_set(sts, ns).spec.template.spec
+        [volume] = [v for v in template.volumes if v.name == "model"]
+        assert volume.persistent_volume_claim.claim_name == "models"
+        [mount] = [m for m in template.containers[0].volume_mounts if m.name == "model"]
+        assert (mount.mount_path, mount.sub_path, mount.read_only) == ("/models/q", "qwen2-vl",
+                                                                       True)
+    error = "tandem worker: error: /models/q/config.json: key 'model_type' is 'foo'"
+    cluster.core.patch_namespaced_pod_status("svc-0-workers-0", ns, {"status": {
+        "conditions": [{"type": "Ready", "status": "False"}],
+        "containerStatuses": [{
+            "name": "worker", "ready": False, "restartCount": 3, "image": "i", "imageID": "",
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                         "message": f"loading /models/q\n{error}\n"}}}]}},
+        _content_type=MERGE)
+    problem = f"worker pod svc-0-workers-0 is crash-looping: {error} (Error, exit code 1)"
+
+    def reported() -> bool:
+        return cluster.condition(ns, name, "WorkersReady").get("message", "").startswith(problem)
+    wait_for(reported, "WorkersReady to name the failing worker")
+    ready = cluster.condition(ns, name, "Ready")
+    assert ready["status"] == "False" and ready["message"].startswith(problem)

@@ -23,6 +23,10 @@ from tandem_operator.spec import TandemSpec
 
 FOLDED = ("PlacementReady", "Colocated", "CacheReady", "SchedulerReady", "WorkersReady")
 """`Ready` is True when all of these are; else it carries the reason of the first false one."""
+PROBLEM_CHARS = 300  # of one container's message in a condition (a condition holds 1024)
+SHOWN_PROBLEMS = 3  # distinct pod problems a condition quotes; the others are counted
+# Waiting reasons of a container on its way up, not problems.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,59 @@ class PodInfo:
     ready: bool
     config_hash: str
     deleting: bool
+    problem: str = ""  # why it does not come up, after "<component> pod <name> " (pod_problem)
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line, cut to PROBLEM_CHARS. With FallbackToLogsOnError the message
+    is the tail of the container's log, and a process that cannot start prints its one-line
+    error last (after a traceback, if any)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= PROBLEM_CHARS else line[:PROBLEM_CHARS - 1] + "…"
+
+
+def _container_problem(c: Mapping[str, Any], init: bool) -> str:
+    """A container that exited with an error (now or last time), or waits for a reason other
+    than starting up (ImagePullBackOff, CreateContainerConfigError...); "" otherwise."""
+    state = c.get("state") or {}
+    waiting = (state.get("waiting") or {}).get("reason", "")
+    where = f" in init container {c.get('name', '')}" if init else ""
+    # Now, else last time (it runs again); a loop on a clean exit is a problem too.
+    last = state.get("terminated") or (c.get("lastState") or {}).get("terminated") or {}
+    looping = waiting == "CrashLoopBackOff"
+    if last and (last.get("exitCode") or looping):
+        facts = f"{last.get('reason') or 'Error'}, exit code {last.get('exitCode', 0)}"
+        line = _last_line(last.get("message") or "")
+        verb = "is crash-looping" if looping else "failed"
+        return f"{verb}{where}: {line} ({facts})" if line else f"{verb}{where}: {facts}"
+    if waiting and waiting not in _STARTING:
+        line = _last_line((state.get("waiting") or {}).get("message") or "")
+        return f"is waiting{where}: {waiting}" + (f": {line}" if line else "")
+    return ""
+
+
+def pod_problem(body: Mapping[str, Any]) -> str:
+    """Why a cell's pod does not come up, as the rest of a sentence that starts with
+    "<component> pod <name> "; "" when nothing is known to be wrong.
+
+    In order: a container (init containers first) that failed, with the last line of its
+    termination message (a model that cannot be loaded names its file and key there), or that
+    waits for a reason other than starting; else a pod kube-scheduler cannot place (e.g.
+    `persistentvolumeclaim "models" not found`). A ready container has no problem, whatever
+    it went through before.
+    """
+    status = body.get("status") or {}
+    for init, key in ((True, "initContainerStatuses"), (False, "containerStatuses")):
+        for c in status.get(key) or ():
+            problem = "" if c.get("ready") else _container_problem(c, init)
+            if problem:
+                return problem
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            line = _last_line(cond.get("message") or "")
+            return f"cannot be scheduled: {line or cond.get('reason', 'Unschedulable')}"
+    return ""
 
 
 def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
@@ -53,6 +110,7 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
                   for c in status.get("conditions") or ()),
         config_hash=(meta.get("annotations") or {}).get(CONFIG_HASH, ""),
         deleting=bool(meta.get("deletionTimestamp")),
+        problem=pod_problem(body),
     )
 
 
@@ -64,6 +122,7 @@ class CellObservation:
     workers_ready: int
     workers_total: int
     misplaced: tuple[PodInfo, ...]  # pods scheduled on another node than the cell's
+    failing: tuple[PodInfo, ...] = ()  # pods not ready with a problem (pod_problem)
 
     @property
     def ready(self) -> bool:
@@ -80,6 +139,7 @@ def observe_cell(spec: TandemSpec, cell: Cell, config_hash: str,
         workers_ready=sum(1 for p in current if p.component == "worker"),
         workers_total=spec.worker.workers_per_cell,
         misplaced=tuple(p for p in mine if cell.node and p.node and p.node != cell.node),
+        failing=tuple(p for p in mine if p.problem and not p.ready),
     )
 
 
@@ -129,14 +189,31 @@ def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:
     return "True", "Sized", sizes
 
 
+def _problems(failing: Sequence[PodInfo]) -> list[str]:
+    """One sentence per distinct problem, naming its first pod and counting the pods alike
+    (every worker of a cell fails alike on a bad model); at most SHOWN_PROBLEMS of them."""
+    alike: dict[str, list[PodInfo]] = {}
+    for p in sorted(failing, key=lambda p: (p.cell, p.component, p.name)):
+        alike.setdefault(f"{p.component} {p.problem}", []).append(p)
+    out = []
+    for pods in alike.values():
+        more = f" (and {len(pods) - 1} more pods alike)" if len(pods) > 1 else ""
+        out.append(f"{pods[0].component} pod {pods[0].name} {pods[0].problem}{more}")
+    if len(out) > SHOWN_PROBLEMS:
+        out[SHOWN_PROBLEMS:] = [f"and {len(out) - SHOWN_PROBLEMS} more pod problems"]
+    return out
+
+
 def _ready_verdict(what: str, ready: int, total: int, reason: str,
-                   waiting: Sequence[str]) -> Verdict:
+                   waiting: Sequence[str], failing: Sequence[PodInfo]) -> Verdict:
     """`waiting` names the StatefulSets short of ready pods: `kubectl describe` on one shows
-    its pods, or why it could not create them."""
+    its pods, or why it could not create them. The problems of `failing` pods come first:
+    they are what a user must fix, and the message is cut at 1024 characters."""
     if ready == total:
         return "True", "Ready", f"{ready}/{total} {what} ready"
-    return "False", reason, (f"{ready}/{total} {what} ready on the current config; waiting for "
-                             f"{', '.join(waiting)}")
+    return "False", reason, "; ".join([
+        *_problems(failing),
+        f"{ready}/{total} {what} ready on the current config; waiting for {', '.join(waiting)}"])
 
 
 def _waiting(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, CellObservation],
@@ -161,6 +238,9 @@ def fold_verdicts(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, Cel
     """Every condition but Ready, in FOLDED order."""
     misplaced = [p for o in obs.values() for p in o.misplaced]
     node_of = {c.index: c.node for c in cells}
+    # A scheduler turns Ready only once its workers are attached, so a cell's failing pods,
+    # workers included, are why its scheduler is not Ready (and Ready names them).
+    waiting_cells = [o for o in obs.values() if not o.scheduler_ready]
     return {
         "PlacementReady": placement_verdict(cells, rejected),
         "Colocated": ("False", "NotColocated", "; ".join(
@@ -170,11 +250,13 @@ def fold_verdicts(spec: TandemSpec, cells: Sequence[Cell], obs: Mapping[int, Cel
         "CacheReady": cache_verdict(spec, cells),
         "SchedulerReady": _ready_verdict(
             "schedulers", sum(o.scheduler_ready for o in obs.values()), len(cells),
-            "SchedulersNotReady", _waiting(spec, cells, obs, "scheduler")),
+            "SchedulersNotReady", _waiting(spec, cells, obs, "scheduler"),
+            [p for o in waiting_cells for p in o.failing]),
         "WorkersReady": _ready_verdict(
             "workers", sum(o.workers_ready for o in obs.values()),
             len(cells) * spec.worker.workers_per_cell, "WorkersNotReady",
-            _waiting(spec, cells, obs, "worker")),
+            _waiting(spec, cells, obs, "worker"),
+            [p for o in obs.values() for p in o.failing if p.component == "worker"]),
     }
 
 
