@@ -4,6 +4,7 @@ properties that matter when it runs (security contexts, probes, tracing wiring, 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,7 @@ CASE_IDS = ["default", *(v.removeprefix("ci/").removesuffix("-values.yaml") for 
 
 
 def test_ci_covers_the_required_modes() -> None:
-    assert {"ci/tracing-values.yaml", "ci/cells-values.yaml",
+    assert {"ci/tracing-values.yaml", "ci/cells-values.yaml", "ci/node-model-values.yaml",
             "ci/watch-namespaces-values.yaml"} <= set(CI_VALUES)
 
 
@@ -332,8 +333,8 @@ def test_pass_through_blocks(helm: dict) -> None:
 def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     spec = one(render("helm4", ("ci/cells-values.yaml",)), "TandemService")["spec"]
     assert spec["cells"] == 3 and spec["worker"]["workersPerCell"] == 2
-    assert spec["model"] == {"name": "custom", "path": "/models/tandem-small",
-                             "claimName": "tandem-models"}
+    assert spec["model"] == {"name": "custom", "path": "/models/Qwen2-VL-2B-Instruct",
+                             "claimName": "tandem-models", "subPath": "Qwen2-VL-2B-Instruct"}
     assert spec["placement"]["maxCellsPerNode"] == 2
     assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["scheduler"]["env"] == [{"name": "TANDEM_MAX_NUM_SEQS", "value": "32"}]
@@ -341,6 +342,50 @@ def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     assert spec["tls"] == {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}
     assert spec["worker"]["tensorParallelSize"] == 2
     assert (spec["router"]["replicas"], spec["router"]["loadFactor"]) == (2, 1.5)
+
+
+@pytest.mark.parametrize("values,volume,sub_path", [
+    ("ci/cells-values.yaml", {"persistentVolumeClaim": {"claimName": "tandem-models",
+                                                        "readOnly": True}},
+     "Qwen2-VL-2B-Instruct"),
+    ("ci/node-model-values.yaml", {"hostPath": {
+        "path": "/var/lib/tandem/models/Qwen2-VL-2B-Instruct", "type": "Directory"}}, None)],
+    ids=["claim", "node"])
+def test_the_model_values_mount_the_model_into_the_scheduler_and_the_workers(
+        helm: dict, values: str, volume: dict, sub_path: str | None) -> None:
+    """The chart's model values, through the CRD's defaults and the operator's builders: the
+    same directory, read-only at `path`, in both pods; TANDEM_MODEL names it."""
+    path = yaml.safe_load((CHART / values).read_text())["service"]["model"]["path"]
+    spec, _, _ = operator_view(render("helm4", (values,)))
+    assert spec.model.setting == path
+    cell = Cell(index=0, node="node-a", cache_bytes=1 << 30, requested_bytes=1 << 30,
+                generation=1)
+    for component in ("scheduler", "worker"):
+        pod = build_pod_template(spec, cell, component)["spec"]
+        assert {"name": "model", **volume} in pod["volumes"]
+        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": path, "readOnly": True,
+                         **({"subPath": sub_path} if sub_path else {})}
+
+
+@pytest.mark.parametrize("sets,refusal", [
+    (('service.model.claimName="models"',), "need service.model.path"),
+    (('service.model.hostPath="/data/q"',), "need service.model.path"),
+    (('service.model.path="/models/q"', 'service.model.claimName="models"',
+      'service.model.hostPath="/data/q"'), "exclude each other"),
+    (('service.model.path="/models/q"', 'service.model.subPath="q"'),
+     "needs service.model.claimName"),
+    (('service.model.path="/models/q"', 'service.model.claimName="models"',
+      'service.model.subPath="q/../.."'), "must not contain a '..' element"),
+    (('service.model.path="/models/q"', 'service.model.hostPath="/data/../q"'),
+     "must not contain a '..' element")],
+    ids=["claim-without-path", "node-without-path", "claim-and-node", "subpath-without-claim",
+         "subpath-backstep", "hostpath-backstep"])
+def test_model_values_the_crd_would_refuse_fail_the_render(
+        helm: dict, sets: tuple[str, ...], refusal: str) -> None:
+    for major in MAJORS:
+        with pytest.raises(RenderError, match=re.escape(refusal)):
+            render_text(major, (), sets)
 
 
 def test_podmonitor_follows_watched_namespaces(helm: dict) -> None:

@@ -143,6 +143,9 @@ BAD_VALUES = [
     "service.featureCache.sise=\"4Gi\"",
     "service.worker.tensorParallelSize=3",
     "service.router.loadFactor=0.5",
+    "service.model.claimName=\"Models\"",
+    "service.model.subPath=\"/Qwen2-VL-2B-Instruct\"",
+    "service.model.hostPath=\"var/lib/models\"",
 ]
 
 
