@@ -213,11 +213,14 @@ def test_a_long_message_is_cut() -> None:
 
 def test_the_conditions_name_the_failing_pod_and_its_error() -> None:
     """Ready (SchedulersNotReady: the scheduler waits for its workers) and WorkersReady both
-    quote the worker's start-up error, first; workers failing alike are counted once."""
+    quote the worker's start-up error, first (before the scheduler that gave up waiting for
+    it); workers failing alike are counted once."""
     failing = [pod_info(pod_body(f"demo-0-workers-{i}", "worker",
                                  containers=[crash_looping("worker", MODEL_ERROR)]))
                for i in range(2)]
-    scheduler = PodInfo("demo-0-scheduler-0", "scheduler", 0, "a", False, "h", False)
+    gave_up = "tandem scheduler: error: worker not reachable: DEADLINE_EXCEEDED"
+    scheduler = pod_info(pod_body("demo-0-scheduler-0", "scheduler", containers=[
+        crash_looping("scheduler", gave_up, code=2)]))
     obs = {0: observe_cell(SPEC, CELLS[0], "h", [scheduler, *failing])}
     verdicts = fold_verdicts(SPEC, CELLS[:1], obs, {})
     problem = (f"worker pod demo-0-workers-0 is crash-looping: {MODEL_ERROR} (Error, exit code "
@@ -226,7 +229,8 @@ def test_the_conditions_name_the_failing_pod_and_its_error() -> None:
         f"{problem}; 0/2 workers ready on the current config; waiting for StatefulSet "
         "demo-0-workers (0/2 ready)"))
     assert verdicts["SchedulerReady"][2] == (
-        f"{problem}; 0/1 schedulers ready on the current config; waiting for StatefulSet "
+        f"{problem}; scheduler pod demo-0-scheduler-0 is crash-looping: {gave_up} (Error, exit "
+        "code 2); 0/1 schedulers ready on the current config; waiting for StatefulSet "
         "demo-0-scheduler")
     conditions = {c["type"]: c for c in render_conditions(verdicts, [], "T", 1)}
     assert conditions["Ready"]["reason"] == "SchedulersNotReady"

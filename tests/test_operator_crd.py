@@ -74,6 +74,17 @@ def test_every_example_validates_and_parses(path: Path) -> None:
         parse_spec(doc["metadata"]["name"], doc["metadata"]["namespace"], doc["spec"])
 
 
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_the_other_objects_of_the_examples_validate(version: str) -> None:
+    """What the docs ask users to apply besides TandemServices (the model's claim and the
+    pod that copies a model onto it)."""
+    others = [d for p in EXAMPLES for d in yaml.safe_load_all(p.read_text())
+              if d and d.get("kind") != KIND]
+    assert {d["kind"] for d in others} >= {"PersistentVolumeClaim", "Pod"}
+    for doc in others:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
 def test_unknown_fields_and_bad_values_are_caught() -> None:
     doc = {"apiVersion": "tandem.dev/v1alpha1", "kind": KIND, "metadata": {"name": "x"},
            "spec": {"featureCache": {"sise": "1Gi", "size": "lots"}, "cells": -1}}

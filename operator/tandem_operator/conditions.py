@@ -191,9 +191,13 @@ def cache_verdict(spec: TandemSpec, cells: Sequence[Cell]) -> Verdict:
 
 def _problems(failing: Sequence[PodInfo]) -> list[str]:
     """One sentence per distinct problem, naming its first pod and counting the pods alike
-    (every worker of a cell fails alike on a bad model); at most SHOWN_PROBLEMS of them."""
+    (every worker of a cell fails alike on a bad model); at most SHOWN_PROBLEMS of them.
+
+    Workers come first: a scheduler that gave up waiting for its workers is failing too, but
+    as a consequence.
+    """
     alike: dict[str, list[PodInfo]] = {}
-    for p in sorted(failing, key=lambda p: (p.cell, p.component, p.name)):
+    for p in sorted(failing, key=lambda p: (p.component != "worker", p.cell, p.name)):
         alike.setdefault(f"{p.component} {p.problem}", []).append(p)
     out = []
     for pods in alike.values():
