@@ -372,11 +372,13 @@ def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None
     assert router.spec.template.spec.containers[0].command == ["tandem", "router"]
     hash3 = router.spec.template.metadata.annotations["tandem.dev/config-hash"]
 
+    def router_hash() -> str:
+        deployment = cluster.apps.read_namespaced_deployment("svc-router", ns)
+        return str(deployment.spec.template.metadata.annotations["tandem.dev/config-hash"])
     cluster.patch(ns, name, {"cells": 2})
-    wait_for(lambda: router_cells() == ["svc-0-scheduler-0", "svc-1-scheduler-0"],
-             "the router's cell list to follow the scale-down")
-    router = cluster.apps.read_namespaced_deployment("svc-router", ns)
-    assert router.spec.template.metadata.annotations["tandem.dev/config-hash"] != hash3
+    # The ConfigMap is applied before the Deployment: wait for both, not the first alone.
+    wait_for(lambda: router_cells() == ["svc-0-scheduler-0", "svc-1-scheduler-0"]
+             and router_hash() != hash3, "the router's cells and pods to follow the scale-down")
 
     cluster.patch(ns, name, {"cells": 1})
     wait_for(lambda: service_target() == "scheduler", "the Service back on the scheduler")
