@@ -295,6 +295,39 @@ def test_reset_reader_slot_forgives_a_dead_reader(make_store: MakeStore) -> None
         writer.reset_reader_slot(2)
 
 
+def test_reset_reader_slot_keeps_what_is_still_to_be_sent(make_store: MakeStore) -> None:
+    """A replacement reader will still receive the held refs: they stay outstanding, and
+    a keep the slot has already acknowledged past is refused with nothing changed."""
+    writer, readers = make_store(n_readers=2, capacity=4096)
+    sent, held = writer.put("k", [payload(500)]), writer.hit("k")
+    readers[0].ack(sent)
+    assert writer.outstanding() == {sent.monotonic_id: (1, 2)}
+    with pytest.raises(ValueError):
+        writer.reset_reader_slot(0, keep={sent.monotonic_id: 2})
+    assert writer.outstanding() == {sent.monotonic_id: (1, 2)}
+    assert writer.reset_reader_slot(1, keep={sent.monotonic_id: 1}) == 1
+    assert writer.outstanding() == {sent.monotonic_id: (1, 1)}
+    for reader in readers:  # the replacement of slot 1 and slot 0 get the held reference
+        reader.ack(held)
+    assert writer.outstanding() == {} and writer.stats().unacked_refs == 0
+    writer.check_invariants()
+
+
+def test_outstanding_is_per_object_and_slot(make_store: MakeStore) -> None:
+    writer, readers = make_store(n_readers=2, capacity=4096)
+    a, b = writer.put("a", [payload(300)]), writer.put("b", [payload(300, 1)])
+    b2 = writer.hit("b")
+    readers[1].ack(b)
+    assert writer.outstanding() == {a.monotonic_id: (1, 1), b.monotonic_id: (2, 1)}
+    assert writer.stats().unacked_refs == 1 + 2  # the largest entry of each object
+    for reader in readers:
+        reader.ack(a)
+    readers[0].ack(b)
+    readers[0].ack(b2)
+    readers[1].ack(b2)
+    assert writer.outstanding() == {}
+
+
 def test_reader_of_recreated_segment_gets_mismatch(tmp_path: Path) -> None:
     path = tmp_path / "seg"
     crashed = ShmWriter(path, 4096, 1, 1024)  # never closed: a writer that died

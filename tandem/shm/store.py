@@ -10,7 +10,7 @@ import os
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -98,7 +98,9 @@ class ShmWriter:
 
     Only the writer mutates `_chunks`, `_index`, `_pins`, `_cursor` and, in shared memory, the
     header and each chunk's tag, id, nbytes, span, seal and refs; ack[s] belongs to reader s
-    (the writer zeroes it when creating a chunk and `reset_reader_slot` forgives a dead slot).
+    (the writer zeroes it when creating a chunk, and `reset_reader_slot` forgives a dead slot).
+    Which references must reach which readers is the sender's business: the scheduler's
+    delivery ledger (`scheduler_svc/delivery.py`) owns that, using `outstanding` to check it.
     Methods are meant for one thread, but take a lock anyway.
     """
 
@@ -238,24 +240,53 @@ class ShmWriter:
             with self._segment.payload(chunk.start, chunk.nbytes) as view:
                 return bytes(view)
 
-    def reset_reader_slot(self, slot: int) -> int:
-        """A reader died: count all its outstanding refs as acknowledged; returns how many.
+    def reset_reader_slot(self, slot: int, keep: Mapping[int, int] | None = None) -> int:
+        """A reader died: count its outstanding refs as acknowledged; returns how many.
 
-        Call only once that reader process is known dead: this writes its ack slot. Release
-        the descriptors of requests aborted because of the death first: one issued before the
-        reset can no longer be released (StaleDescriptor), as this slot already counts it.
+        Call only once that reader process is known gone: this writes its ack slot, which a
+        live reader may be updating at the same moment (a lost update either way). `keep`
+        (monotonic id -> refs) leaves that many refs of an object outstanding: references
+        issued but not yet sent, which the replacement reader will still receive and ack.
+        ValueError, with nothing changed, if the slot already acked some of them.
         Give the replacement reader new references (`hit`), never the old descriptors.
         """
         if not 0 <= slot < self._geometry.n_readers:
             raise ValueError(f"slot {slot} out of range 0..{self._geometry.n_readers - 1}")
+        keep = keep or {}
         forgiven = 0
         with self._lock:
             self._check_open()
+            targets = []
             for chunk in self._live_chunks():
                 refs = self._segment.word(chunk.start, C_REFS)
-                forgiven += refs - self._segment.word(chunk.start, C_ACKS + slot)
-                self._segment.set_word(chunk.start, C_ACKS + slot, refs)
+                target = refs - keep.get(chunk.monotonic_id, 0)
+                acked = self._segment.word(chunk.start, C_ACKS + slot)
+                if target < acked:
+                    raise ValueError(f"slot {slot} already acked {acked} of {refs} refs of "
+                                     f"object {chunk.monotonic_id}; cannot keep "
+                                     f"{refs - target} outstanding")
+                targets.append((chunk.start, target))
+                forgiven += target - acked
+            for start, target in targets:
+                self._segment.set_word(start, C_ACKS + slot, target)
         return forgiven
+
+    def outstanding(self) -> dict[int, tuple[int, ...]]:
+        """Per live object with any: monotonic id -> refs issued minus each slot's acks.
+
+        For the sender's own accounting of what it has issued (`stats().unacked_refs` is the
+        sum over objects of the largest entry). A slot's entry may still fall while a
+        reader works; read it when no delivery to that reader is in progress.
+        """
+        with self._lock:
+            self._check_open()
+            out = {}
+            for chunk in self._live_chunks():
+                refs = self._segment.word(chunk.start, C_REFS)
+                left = tuple(refs - ack for ack in self._acks(chunk))
+                if any(left):
+                    out[chunk.monotonic_id] = left
+            return out
 
     def stats(self) -> ShmStats:
         with self._lock:
