@@ -151,11 +151,13 @@ class BlockPool:
     * with caching disabled no block carries a hash.
 
     Only the pool mutates ``ref_cnt``, the hashes and the map. "No room" is the caller's
-    check (:attr:`num_free_blocks`); asking for more than is free is a bug and asserts.
+    check (:attr:`num_free_blocks`); asking for more than is free raises ValueError (a bug,
+    but one that must not pass silently under ``python -O``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        assert num_blocks > 0, f"a pool needs at least one block, got {num_blocks}"
+        if num_blocks <= 0:
+            raise ValueError(f"a pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
@@ -186,7 +188,8 @@ class BlockPool:
 
         An evicted block leaves the hash map: its contents will be overwritten.
         """
-        assert 0 <= n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
+        if not 0 <= n <= self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()

@@ -9,6 +9,7 @@ placeholder tokens), not bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 
 class EncoderCacheManager:
@@ -29,7 +30,8 @@ class EncoderCacheManager:
     """
 
     def __init__(self, capacity: int) -> None:
-        assert capacity > 0, f"encoder cache capacity must be positive, got {capacity}"
+        if capacity <= 0:
+            raise ValueError(f"encoder cache capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.num_free_slots = capacity
         self.num_freeable_slots = capacity
@@ -86,10 +88,11 @@ class EncoderCacheManager:
         Call after :meth:`can_allocate` said yes; a hash already held is a bug
         (:meth:`check_and_update_cache` would have returned True).
         """
-        assert mm_hash not in self._size, f"encoder output {mm_hash} allocated twice"
-        assert num_embeds <= self.num_free_slots, (
-            f"{num_embeds} embeddings do not fit in {self.num_free_slots} free slots"
-        )
+        if mm_hash in self._size:
+            raise ValueError(f"encoder output {mm_hash} allocated twice")
+        if num_embeds > self.num_free_slots:
+            raise ValueError(f"{num_embeds} embeddings do not fit in {self.num_free_slots} "
+                             "free slots")
         self._size[mm_hash] = num_embeds
         self.num_free_slots -= num_embeds
         self.num_freeable_slots -= num_embeds
@@ -120,6 +123,14 @@ class EncoderCacheManager:
         """Drops every reference of a finished, aborted or preempted request."""
         for mm_hash in sorted(self._by_request.get(request_id, ())):
             self.free_encoder_input(request_id, mm_hash)
+
+    def forget(self, mm_hashes: Iterable[str]) -> None:
+        """Drops entries the workers never computed (the step that allocated them was
+        refused) once no request references them; nothing is reported to the workers."""
+        for mm_hash in mm_hashes:
+            if mm_hash in self._freeable:
+                del self._freeable[mm_hash], self._refs[mm_hash]
+                self.num_free_slots += self._size.pop(mm_hash)
 
     def get_freed_mm_hashes(self) -> list[str]:
         """Hashes evicted since the last call, each once; the list is then cleared.

@@ -43,7 +43,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        assert block_size > 0, f"block_size must be positive, got {block_size}"
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)

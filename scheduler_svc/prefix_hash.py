@@ -111,7 +111,8 @@ def request_block_hashes(
     extends it with this call whenever prompt or output tokens complete more blocks. A
     trailing partial block is never hashed (its tokens may still change the hash).
     """
-    assert block_size > 0, f"block_size must be positive, got {block_size}"
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     assert all(a.mm_position.offset <= b.mm_position.offset for a, b in pairwise(features)), (
         "features must be sorted by mm_position.offset"
     )

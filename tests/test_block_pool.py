@@ -71,7 +71,7 @@ def test_new_blocks_are_referenced_and_over_asking_is_a_bug() -> None:
     assert all(b.ref_cnt == 1 for b in blocks)
     assert pool.num_free_blocks == 1
     assert pool.usage == pytest.approx(0.75)
-    with pytest.raises(AssertionError, match="asked for 2 blocks, 1 free"):
+    with pytest.raises(ValueError, match="asked for 2 blocks, 1 free"):
         pool.get_new_blocks(2)
 
 

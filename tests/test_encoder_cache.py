@@ -118,9 +118,9 @@ def test_budget_and_space_refusals_evict_nothing() -> None:
 def test_allocating_a_held_hash_is_a_bug() -> None:
     cache = EncoderCacheManager(capacity=10)
     _encode(cache, "r1", "a", 2)
-    with pytest.raises(AssertionError, match="allocated twice"):
+    with pytest.raises(ValueError, match="allocated twice"):
         cache.allocate("r2", "a", 2)
-    with pytest.raises(AssertionError, match="do not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         cache.allocate("r2", "b", 9)
 
 
