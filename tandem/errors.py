@@ -68,9 +68,9 @@ def classify(exc: BaseException) -> TandemError:
     if isinstance(exc, TandemError):
         return exc
     if isinstance(exc, shm_errors.StaleDescriptor | shm_errors.SegmentMismatch):
-        return FailedPrecondition(
-            f"shared-memory descriptor rejected: {exc}", reason="SHM_STALE_DESCRIPTOR"
-        )
+        # The store's text names addresses, ids and the segment generation: log it, never send it.
+        return FailedPrecondition("shared-memory descriptor rejected (stale or invalid)",
+                                  reason="SHM_STALE_DESCRIPTOR")
     if isinstance(exc, shm_errors.SegmentFull):
         return ResourceExhausted("the shared feature segment is full", reason="SHM_FULL")
     return TandemError("internal error; see the server log")
