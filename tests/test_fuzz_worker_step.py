@@ -183,6 +183,7 @@ def test_a_descriptor_repeated_within_a_step_is_refused(target: Target) -> None:
         target.stub.Step(step, timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_info(err.value).reason == "SHM_STALE_DESCRIPTOR"
+    assert "generation" not in err.value.details(), "the store's text stays in the log"
     assert _unacked(target) == len(target.live)
 
 
