@@ -3,7 +3,8 @@
 Requests enter through :meth:`Engine.generate`, which yields their step outputs; the loop
 in :meth:`Engine._run` schedules, sends the step to every worker, and routes what they
 sampled back to each request's queue. All scheduling state is touched only on the event
-loop's thread; image decoding runs in a thread pool.
+loop's thread; image decoding runs in a thread pool. The SHM references of every request
+belong to the delivery ledger (:mod:`scheduler_svc.delivery`).
 """
 
 from __future__ import annotations
@@ -12,30 +13,33 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.delivery import DeliveryLedger
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.image_processor import ImageProcessorConfig
 from scheduler_svc.input_processor import InputProcessor
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, StepOutput
-from scheduler_svc.request_telemetry import RequestTrace, step_trace_context
+from scheduler_svc.request_telemetry import step_trace_context
+from scheduler_svc.request_trace import RequestTrace
 from scheduler_svc.scheduler import (
     Scheduler,
     SchedulerCounters,
     SchedulerLimits,
     SchedulerOutput,
 )
-from scheduler_svc.step_message import build_step_request, mark_delivered
+from scheduler_svc.step_message import build_step_request
 from scheduler_svc.worker_client import StepFailed, WorkerPool
 from tandem import tracing
-from tandem.errors import InvalidInput, Unavailable
+from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
-from tandem.shm import ShmDescriptor
+from tandem.shm import ShmError
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -55,34 +59,47 @@ class ModelInfo:
     max_seq_len: int  # positions the model supports: prompt + outputs must fit
 
 
-class Engine:
-    """Owns the scheduler, the processor cache and the worker pool.
+def _internal() -> TandemError:
+    """What a client sees of an error the engine did not expect (details go to the log)."""
+    return TandemError("internal error; see the server log")
 
-    ``on_serving(bool)`` is called whenever the cell starts or stops being able to serve
-    (all workers described / a worker lost), so health can follow. A worker is lost when
-    a step fails on it or its health stream ends (it may die while the cell is idle);
-    ``_epoch`` counts the losses, so a step that was in flight across one is ignored.
+
+class Engine:
+    """Owns the scheduler, the delivery ledger and the worker pool.
+
+    ``on_serving(bool)`` is awaited (in a task the engine keeps) whenever the cell starts or
+    stops being able to serve, so health can follow. A worker is lost when a step fails on
+    it for any reason but a refusal, or its health stream ends (it may die while the cell
+    is idle); losses are handled by the loop between steps, never during one.
+
+    The loop is guarded: an exception it did not expect fails the requests of the cell
+    with INTERNAL (logged once, with the traceback), resets the bookkeeping and goes on;
+    a second one before any step succeeded again, or a failure to reset, turns the cell
+    NOT_SERVING for good.
     """
 
     def __init__(self, config: SchedulerConfig, cache: ProcessorCache, workers: WorkerPool,
-                 on_serving: Callable[[bool], None] = lambda _: None) -> None:
+                 on_serving: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.config = config
         self.cache = cache
         self.workers = workers
         self._on_serving = on_serving
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="image")
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._watch_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # every task the engine started
         self._serving_again = asyncio.Event()
-        self._epoch = 0
+        self._lost: list[int] = []  # ranks whose health stream ended, for the loop
+        self._losses = 0
         self._step_id = 0
+        self._failed_since_success = False  # an unexpected error, and no step succeeded since
+        self._broken = False  # NOT_SERVING for good: the loop could not go on
         self.counters = SchedulerCounters()
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
         self.model: ModelInfo | None = None
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
+        self.ledger: DeliveryLedger | None = None
 
     async def start(self) -> None:
         """Describe the workers, size the caches from them, start the loop."""
@@ -90,7 +107,6 @@ class Engine:
         if self.model.block_size != self.config.block_size:
             raise RuntimeError(f"workers use block size {self.model.block_size}, the scheduler "
                                f"{self.config.block_size}: configure both the same")
-        self._reset_state()
         c = self.config
         images = ImageProcessorConfig(
             patch_size=self.model.patch_size, merge_size=self.model.merge_size,
@@ -99,19 +115,22 @@ class Engine:
         c.check_image_budget(images.factor)
         max_tokens = min(self.model.num_kv_blocks * c.block_size, self.model.max_seq_len)
         self.inputs = InputProcessor(c.limits, images, max_tokens)
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self.ledger = DeliveryLedger(self.cache, self.inputs.process, self._offload,
+                                     self._redelivered)
+        self._reset_state()
+        self._spawn(self._run(), "engine-loop")
         self._set_serving(True)
-        self._watch_task = asyncio.create_task(self._watch_workers(), name="worker-watch")
+        self._spawn(self._watch_workers(), "worker-watch")
 
     def _reset_state(self) -> None:
         """Fresh KV and encoder bookkeeping: the workers' caches are empty (start, restart)."""
-        assert self.model is not None
+        assert self.model is not None and self.ledger is not None
         c = self.config
         kv = KVCacheManager(self.model.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         limits = SchedulerLimits(c.max_num_seqs, c.max_num_batched_tokens,
                                  c.max_num_batched_tokens)
         self.scheduler = Scheduler(limits, kv, EncoderCacheManager(c.encoder_cache_embeds),
-                                   self._redeliver, self.counters)
+                                   self.ledger.deliverable, self.counters)
 
     async def generate(
         self, msg: generate_pb2.GenerateRequest, trace: RequestTrace | None = None
@@ -122,11 +141,19 @@ class Engine:
         the request and releases everything it holds. ``trace`` (tracing on) gets the
         request's image spans and scheduling events.
         """
-        if not self.serving or self.inputs is None or self.scheduler is None:
+        if not self.serving or self.inputs is None or self.ledger is None:
             raise Unavailable("the cell is not serving: its workers are not ready")
-        request = await self.inputs.to_request(msg, self.cache, self._offload, trace)
+        request = self.inputs.to_request(msg, trace)
+        try:
+            await self.ledger.acquire(request)
+        except ShmError as exc:  # the store refused the ledger: our bug, not the input
+            log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
+            raise _internal() from exc
+        if not self.serving or self.scheduler is None:  # lost meanwhile; others failed too
+            self.ledger.release(request)
+            raise Unavailable("the cell is not serving: its workers are not ready")
         if request.request_id in self.scheduler.requests:
-            self._release_undelivered(request)
+            self.ledger.release(request)
             raise InvalidInput(f"request_id {request.request_id!r} is already in use",
                                "DUPLICATE_REQUEST_ID")
         self.scheduler.add_request(request)
@@ -146,34 +173,25 @@ class Engine:
                 self.abort(request)
 
     def abort(self, request: Request, reason: int = generate_pb2.FINISH_REASON_ABORT) -> None:
-        """Stop a request: blocks, encoder entries and undelivered SHM references freed."""
-        assert self.scheduler is not None
-        self._release_undelivered(request)
+        """Stop a request: blocks, encoder entries and the references it holds freed."""
+        assert self.scheduler is not None and self.ledger is not None
+        self.ledger.release(request)
         self.scheduler.finish(request, reason)
         self._wake.set()
 
-    def _release_undelivered(self, request: Request) -> None:
-        if request.undelivered:
-            for f in request.features:
-                self.cache.release(f.data)
-            request.undelivered = False
+    def _fail(self, requests: Sequence[Request], error: BaseException) -> None:
+        for request in requests:
+            self.abort(request)
+            request.outputs.put_nowait(error)
 
-    def _redeliver(self, request: Request) -> None:
-        """Fresh data for a preempted request whose SHM references were spent.
-
-        Re-processing (when the object was evicted) runs inline: preemption is rare and the
-        scheduler must hand a complete request to this step.
-        """
-        assert self.inputs is not None
-        if not any(isinstance(f.data, ShmDescriptor) for f in request.features):
+    def _redelivered(self, request: Request, error: BaseException | None) -> None:
+        """The ledger finished re-acquiring a preempted request's references."""
+        if error is None:
+            self._wake.set()
             return
-        with self.cache.pinned([f.identifier for f in request.features]):
-            for i, (f, media) in enumerate(zip(request.features, request.media, strict=True)):
-                data = self.cache.lookup(f.identifier)
-                if data is None:
-                    data = self.cache.store(f.identifier, self.inputs.process(media))
-                request.features[i] = replace(f, data=data)
-        request.undelivered = True
+        log.error("re-delivering request %s failed", request.request_id, exc_info=error)
+        if not request.is_finished:
+            self._fail([request], _internal())
 
     async def _offload(self, fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
@@ -181,49 +199,84 @@ class Engine:
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
-            if not self.serving or self.scheduler is None or not self.scheduler.has_work:
-                self._wake.clear()
-                continue
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                self._wake.clear()
-                await asyncio.sleep(0.01)  # nothing fits now; retry after others change
-                self._wake.set()
-                continue
-            await self._step(out)
+            try:
+                await self._iterate()
+            except Exception:
+                log.exception("unexpected error in the engine loop: failing every request")
+                if not self._recover():
+                    return
+
+    async def _iterate(self) -> None:
+        assert self.scheduler is not None and self.ledger is not None
+        if self._lost:
+            ranks, self._lost = tuple(self._lost), []
+            if self.serving:  # else a failed step noticed first
+                self._lose_workers(ranks, "health stream ended", None)
+        if not self.serving or not self.scheduler.has_work:
+            self._wake.clear()
+            return
+        out = self.scheduler.schedule()
+        for rid in out.preempted_request_ids:
+            self.ledger.redeliver(self.scheduler.requests[rid])
+        if out.is_empty:
+            self._wake.clear()
+            await asyncio.sleep(0.01)  # nothing fits now; retry after others change
+            self._wake.set()
+            return
+        await self._step(out)
 
     async def _step(self, out: SchedulerOutput) -> None:
-        assert self.scheduler is not None and self.model is not None
+        assert self.scheduler is not None and self.model is not None and self.ledger is not None
         self._step_id += 1
+        step_id = self._step_id
         segment, generation = self._segment()
-        trace_context = (step_trace_context(out, self.scheduler.requests, self.config.block_size)
-                         if tracing.enabled() else None)
-        msg = build_step_request(out, self._step_id, segment, generation, self.model.uses_mrope,
-                                 trace_context)
-        mark_delivered(out)
-        epoch = self._epoch
+        msg, stripped = build_step_request(out, step_id, segment, generation,
+                                           self.model.uses_mrope)
+        if tracing.enabled():
+            msg.trace_context.update(step_trace_context(out, stripped, self.scheduler.requests,
+                                                        self.config.block_size))
+        self.ledger.sent(step_id, [new.request for new in out.new_requests])
         try:
             result = await self.workers.step(msg, self.config.step_timeout_s)
         except StepFailed as exc:
-            if epoch == self._epoch:
-                self._worker_failed(exc.ranks, str(exc))
-            else:  # the loss is being handled; no step was sent since
-                self._reset_slots(exc.ranks)
+            self.ledger.step_done(step_id, exc.ranks)
+            self._step_failed(out, exc)
             return
-        if epoch != self._epoch:
-            return  # a worker was lost meanwhile: these requests have failed already
+        except BaseException:  # outcome unknown on every worker
+            self.ledger.step_done(step_id, range(len(self.workers.addresses)))
+            raise
+        self.ledger.step_done(step_id)
         for request, output in self.scheduler.update(out, result.sampled):
+            if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                self.ledger.release(request)  # nothing held normally; the rule is uniform
             request.outputs.put_nowait(output)
         if self._debug_invariants:
             self.check_invariants()
+        self._failed_since_success = False
+
+    def _step_failed(self, out: SchedulerOutput, exc: StepFailed) -> None:
+        assert self.scheduler is not None and self.ledger is not None
+        if not exc.refused:
+            self._lose_workers(exc.ranks, str(exc), out)
+            return
+        # A healthy worker refused the step as invalid: it changed nothing, and only the
+        # requests of this step are suspect (a scheduler bug, logged by the worker pool).
+        failed = self.scheduler.refused(out, generate_pb2.FINISH_REASON_ABORT)
+        log.error("step %d refused by worker(s) %s: failing its %d new requests, "
+                  "recomputing %d", self._step_id, exc.ranks, len(failed),
+                  len(out.cached_requests))
+        for request in failed:
+            self.ledger.release(request)
+            request.outputs.put_nowait(_internal())
 
     def check_invariants(self) -> None:
         """Every bookkeeping structure, whole (after each step with TANDEM_DEBUG_INVARIANTS=1)."""
-        assert self.scheduler is not None
+        assert self.scheduler is not None and self.ledger is not None
         self.scheduler.kv.check_invariants()
         self.scheduler.encoder.check_invariants()
         if isinstance(self.cache, ShmProcessorCache):
             self.cache.writer.check_invariants()
+        self.ledger.check_invariants()
 
     def _segment(self) -> tuple[str, int]:
         if isinstance(self.cache, ShmProcessorCache):
@@ -233,57 +286,92 @@ class Engine:
     async def _watch_workers(self) -> None:
         while True:
             await self._serving_again.wait()
-            epoch = self._epoch
             rank = await self.workers.wait_lost()
-            if self.serving and epoch == self._epoch:  # else a failed step noticed first
-                self._worker_failed((rank,), f"worker {rank}: health stream ended")
+            self._serving_again.clear()  # until the loss is handled and the cell is back
+            self._lost.append(rank)
+            self._wake.set()
 
-    def _worker_failed(self, ranks: tuple[int, ...], why: str) -> None:
-        """Fail every request with UNAVAILABLE, forget worker state, wait for the workers."""
+    def _lose_workers(self, ranks: tuple[int, ...], why: str,
+                      out: SchedulerOutput | None) -> None:
+        """Fail every request with UNAVAILABLE, forget worker state, wait for the workers.
+
+        No reader slot is touched: a worker that timed out may still be running the step
+        (the ledger holds its references in doubt); a replaced one is reset on reconnect.
+        """
         assert self.scheduler is not None
         log.error("worker lost (%s): failing in-flight requests", why)
-        self._epoch += 1
+        self._losses += 1
         self._set_serving(False)
-        error = Unavailable(f"worker {ranks[0]} failed; retry the request")
-        for request in list(self.scheduler.requests.values()):
-            self.abort(request)
-            request.outputs.put_nowait(error)
-        self._reset_slots(ranks)  # after the undelivered references were released
+        self._fail(list(self.scheduler.requests.values()),
+                   Unavailable(f"worker {ranks[0]} failed; retry the request"))
         request_ids, mm_hashes = self.scheduler.leftovers()
+        if out is not None:  # the failed step's releases may not have reached the workers
+            request_ids += out.finished_request_ids + out.preempted_request_ids
+            mm_hashes += out.free_encoder_mm_hashes
         self._reset_state()
         self.scheduler.release_on_workers(request_ids, mm_hashes)  # for surviving workers
-        asyncio.get_running_loop().create_task(self._reconnect())
+        self._spawn(self._reconnect(), "worker-reconnect")
 
-    def _reset_slots(self, ranks: tuple[int, ...]) -> None:
-        """A dead worker will never acknowledge what it was sent, and a live one that
-        refused a step acknowledged none of it: count their references as acknowledged."""
-        if isinstance(self.cache, ShmProcessorCache):
-            for rank in ranks:
-                self.cache.writer.reset_reader_slot(rank)
+    def _recover(self) -> bool:
+        """After an unexpected error: fail every request and reset the bookkeeping. False
+        when the cell cannot go on: the reset failed, or the error came again before any
+        step succeeded since the last one (the scheduler must be restarted)."""
+        again = self._failed_since_success
+        self._failed_since_success = True
+        try:
+            assert self.scheduler is not None
+            self._fail(list(self.scheduler.requests.values()), _internal())
+            request_ids, mm_hashes = self.scheduler.leftovers()
+            self._reset_state()
+            self.scheduler.release_on_workers(request_ids, mm_hashes)
+        except Exception:
+            log.exception("resetting the engine after the error failed")
+            again = True
+        if not again:
+            return True
+        log.error("the engine cannot go on: NOT_SERVING until the scheduler is restarted")
+        self._broken = True
+        self._set_serving(False)
+        if self.scheduler is not None:
+            for request in list(self.scheduler.requests.values()):
+                request.outputs.put_nowait(_internal())
+        return False
 
     async def _reconnect(self) -> None:
+        assert self.ledger is not None
+        before = list(self.workers.sockets)
         while True:
             try:
                 await self.workers.describe(_RECONNECT_TIMEOUT_S)
             except Unavailable:
                 await asyncio.sleep(0.2)
                 continue
+            for rank in self.workers.replaced(before):
+                self.ledger.reader_gone(rank)
             log.info("workers are back; serving again")
             self._set_serving(True)
             return
 
     @property
     def worker_losses(self) -> int:
-        return self._epoch
+        return self._losses
 
     def _set_serving(self, serving: bool) -> None:
+        serving = serving and not self._broken
         self.serving = serving
-        self._on_serving(serving)
+        if self._on_serving is not None:
+            self._spawn(self._on_serving(serving), "health-update")
         if serving:
             self._serving_again.set()
         else:
             self._serving_again.clear()
         self._wake.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``coro`` in a task the engine keeps until it ends, and stops in :meth:`stop`."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def cache_stats(self) -> generate_pb2.CacheStatsResponse:
         counters = self.cache.counters()
@@ -302,15 +390,15 @@ class Engine:
         return msg
 
     async def stop(self) -> None:
-        """Abort everything in flight, stop the loop, release the pool (not the cache)."""
+        """Abort everything in flight, stop every task, release the pool (not the cache)."""
         self._set_serving(False)
         if self.scheduler is not None:
-            for request in list(self.scheduler.requests.values()):
-                self.abort(request)
-                request.outputs.put_nowait(Unavailable("the server is shutting down"))
-        tasks = [t for t in (self._task, self._watch_task) if t is not None]
+            self._fail(list(self.scheduler.requests.values()),
+                       Unavailable("the server is shutting down"))
+        tasks = list(self._tasks) + (self.ledger.close() if self.ledger is not None else [])
         for task in tasks:
-            task.cancel()
+            if task.get_name() != "health-update":  # the last status must still be set
+                task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -1,17 +1,16 @@
-"""GenerateRequest -> Request: validate, tokenize, process images through the cache.
+"""GenerateRequest -> Request: validate and tokenize; how images are turned into items.
 
 The checks run in the order a user fixes things (prompt, images, sampling), each failing
-with :class:`~tandem.errors.InvalidInput` and a message naming the limit. Images are
-decoded only on a processor-cache miss; the token count of an image comes from its header
-alone, so a cache hit costs no decoding.
+with :class:`~tandem.errors.InvalidInput` and a message naming the limit. The token count
+of an image comes from its header alone, so a processor-cache hit costs no decoding: the
+delivery ledger (:mod:`scheduler_svc.delivery`) calls :meth:`InputProcessor.process` only
+on a miss.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,22 +26,17 @@ from scheduler_svc.image_processor import (
     smart_resize,
 )
 from scheduler_svc.request import Request, Sampling
-from scheduler_svc.request_telemetry import RequestTrace, image_span
+from scheduler_svc.request_trace import RequestTrace
 from tandem import tokenizer
 from tandem.errors import InvalidInput
 from tandem.feature_codec import tensor_from_proto
 from tandem.features import (
-    FeatureData,
     FieldElem,
     MultiModalFeatureSpec,
     MultiModalKwargsItem,
     PlaceholderRange,
 )
-from tandem.processor_cache import ProcessorCache
 from tandem.v1 import generate_pb2
-
-# Runs CPU-heavy work (decoding, resizing) off the event loop.
-Offload = Callable[[Callable[[], MultiModalKwargsItem]], Awaitable[MultiModalKwargsItem]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +51,13 @@ class InputProcessor:
         self.limits = limits
         self.images = images
         self.max_model_tokens = max_model_tokens  # prompt + outputs must fit the KV pool
-        self._processing: dict[str, asyncio.Future[MultiModalKwargsItem]] = {}
 
-    async def to_request(self, msg: generate_pb2.GenerateRequest, cache: ProcessorCache,
-                         offload: Offload, trace: RequestTrace | None = None) -> Request:
-        """A validated Request whose features hold what the cache gave (or fresh items).
+    def to_request(self, msg: generate_pb2.GenerateRequest,
+                   trace: RequestTrace | None = None) -> Request:
+        """A validated Request; its features get their data from the delivery ledger.
 
-        With ``trace``, each image gets a ``tandem.mm.process`` span under it.
+        Every image is checked from its header here (a bad one fails before any is
+        processed); decoding and processing happen only on a processor-cache miss.
         """
         sampling = self.sampling(msg)
         prompt_ids, images = self._prompt_and_images(msg)
@@ -75,64 +69,11 @@ class InputProcessor:
             raise InvalidInput(f"prompt ({len(token_ids)} tokens) plus max_tokens "
                                f"({sampling.max_tokens}) exceeds the KV cache of "
                                f"{self.max_model_tokens} tokens", "CONTEXT_TOO_LONG")
-        hits = 0
-        acquired: list[FeatureData] = []
-        try:
-            with cache.pinned([im.key for im in images]):
-                for i, im in enumerate(images):
-                    with image_span(trace, im.key, im.num_tokens, im.media) as span:
-                        data, hit = await self._acquire(im, cache, offload)
-                        acquired.append(data)
-                        span.done(cache.kind, hit, data)
-                    hits += hit
-                    features[i] = _with_data(features[i], data)
-        except BaseException:
-            # A later image failed (or the client left): give back what was acquired.
-            for data in acquired:
-                cache.release(data)
-            raise
         return Request(
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
-            cache_salt=msg.cache_salt, media=list(msg.images), mm_cache_hits=hits,
-            undelivered=True, trace=trace,
+            cache_salt=msg.cache_salt, media=list(msg.images), trace=trace,
         )
-
-    async def _acquire(self, im: _Image, cache: ProcessorCache,
-                       offload: Offload) -> tuple[FeatureData, bool]:
-        """The image's data from the cache, or processed once even when requests race.
-
-        Concurrent misses on one key wait for the first to finish processing and then
-        hit what it stored, instead of processing again (and colliding on the put).
-        """
-        pending = self._processing.get(im.key)
-        if pending is not None:
-            try:
-                item = await asyncio.shield(pending)
-            except asyncio.CancelledError:
-                if not pending.cancelled():
-                    raise  # this request was cancelled
-                return await self._acquire(im, cache, offload)  # the processing one was
-            data = cache.lookup(im.key)
-            return (data, True) if data is not None else (item, False)
-        data = cache.lookup(im.key)
-        if data is not None:
-            return data, True
-        future: asyncio.Future[MultiModalKwargsItem] = asyncio.get_running_loop().create_future()
-        self._processing[im.key] = future
-        try:
-            item = await offload(lambda: self.process(im.media))
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved here; waiters still receive it
-            raise
-        finally:
-            del self._processing[im.key]
-        future.set_result(item)
-        return cache.store(im.key, item), False
 
     def sampling(self, msg: generate_pb2.GenerateRequest) -> Sampling:
         s, lim = msg.sampling, self.limits
@@ -213,10 +154,6 @@ class InputProcessor:
             features.append(MultiModalFeatureSpec(im.key, "image", pos, None))
             token_ids.extend([tokenizer.IMAGE_ID] * im.num_tokens)
         return token_ids, features
-
-
-def _with_data(f: MultiModalFeatureSpec, data: object) -> MultiModalFeatureSpec:
-    return MultiModalFeatureSpec(f.identifier, f.modality, f.mm_position, data)  # type: ignore[arg-type]
 
 
 def _header_size(data: bytes, cfg: ImageProcessorConfig) -> tuple[int, int]:

@@ -6,14 +6,11 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
+from scheduler_svc.request_trace import RequestTrace
 from tandem.features import MultiModalFeatureSpec
 from tandem.v1 import generate_pb2
-
-if TYPE_CHECKING:
-    from scheduler_svc.request_telemetry import RequestTrace
 
 
 class Status(enum.Enum):
@@ -58,19 +55,21 @@ class Request:
     """Scheduler-side state of one Generate call.
 
     ``features`` keep their full data for the request's life (the worker-bound copy is
-    stripped, never this one). ``undelivered`` is True while ``features`` hold SHM
-    references that no worker has received: they must be delivered or released, never
-    dropped. ``media`` are the client's images, kept so a preempted request whose SHM
-    objects were evicted can be processed again. ``trace`` is the request's span while
-    tracing is on, else None.
+    stripped, never this one); their SHM references belong to the delivery ledger
+    (:mod:`scheduler_svc.delivery`), which alone fills and replaces that data. ``media``
+    are the client's images, kept so a preempted request whose SHM objects were evicted
+    can be processed again. ``trace`` is the request's span while tracing is on, else None.
+
+    ``repr`` leaves out what a log must not show (docs/security.md): token ids, the cache
+    salt, images and the trace.
     """
 
     request_id: str
-    token_ids: list[int]  # prompt (placeholders expanded) then outputs
+    token_ids: list[int] = field(repr=False)  # prompt (placeholders expanded) then outputs
     num_prompt_tokens: int
     features: list[MultiModalFeatureSpec]
     sampling: Sampling
-    cache_salt: str
+    cache_salt: str = field(repr=False)
     media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
     mm_cache_hits: int = 0
     status: Status = Status.WAITING
@@ -78,7 +77,6 @@ class Request:
     num_cached_tokens: int = -1  # prefix hit of the first scheduling; -1 = not yet scheduled
     encoder_runs: int = 0
     preemptions: int = 0
-    undelivered: bool = False
     finish_reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
     arrival: float = field(default_factory=time.monotonic)

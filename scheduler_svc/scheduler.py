@@ -49,27 +49,42 @@ class NewRequestData:
     """A request sent to the workers in full: first schedule, or again after preemption."""
 
     request: Request
-    block_ids: list[int]
-    num_computed_tokens: int
+    block_ids: list[int]  # its whole block table, in order (prefix hits first)
+    num_computed_tokens: int  # tokens whose KV is already there (the prefix hit)
 
 
 @dataclass(slots=True)
 class CachedRequestData:
+    """A request the workers already hold: only what changed."""
+
     request_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    new_block_ids: list[int]  # blocks appended to its table this step
+    num_computed_tokens: int  # before this step (the workers check it equals theirs)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step. Invariant: ``num_scheduled_tokens`` has exactly the new and cached ids."""
+    """One step.
+
+    Invariants (checked by :meth:`validate` in every ``schedule``): ``num_scheduled_tokens``
+    has exactly the new and cached ids; a request is never both; encoder inputs belong to
+    scheduled requests; preempted, finished and scheduled ids are disjoint, and a step that
+    preempted admits no waiting request (it would take back the blocks just freed).
+    """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step (new and cached requests)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # id -> feature indices
+    # request id -> indices into its features to run through the encoder this step
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # mm hashes whose encoder outputs the workers may drop (evicted, or a predecessor's)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # requests that finished, were aborted or failed since the last step (or that the
+    # workers may still hold after a worker loss): gone for good, workers drop their state
     finished_request_ids: list[str] = field(default_factory=list)
+    # requests preempted in this step: back in the waiting queue, workers drop their state
+    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -78,47 +93,58 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.num_scheduled_tokens or self.finished_request_ids
-                    or self.free_encoder_mm_hashes)
+                    or self.preempted_request_ids or self.free_encoder_mm_hashes)
+
+    @property
+    def scheduled_request_ids(self) -> list[str]:
+        return [n.request.request_id for n in self.new_requests] + [
+            c.request_id for c in self.cached_requests]
 
     def validate(self) -> None:
-        ids = [n.request.request_id for n in self.new_requests]
-        ids += [c.request_id for c in self.cached_requests]
+        ids = self.scheduled_request_ids
         assert len(set(ids)) == len(ids), "a request is both new and cached"
         assert set(ids) == set(self.num_scheduled_tokens), "scheduled tokens != requests"
         assert set(self.encoder_inputs) <= set(ids), "encoder inputs of unscheduled requests"
+        preempted, finished = set(self.preempted_request_ids), set(self.finished_request_ids)
+        assert not preempted & set(ids), "a preempted request is scheduled in the same step"
+        assert not preempted & finished, "a request is both preempted and finished"
+        assert not (preempted and self.new_requests), "a step that preempted admitted requests"
 
 
 class Scheduler:
     """Owns the waiting queue, the running list and their KV and encoder-cache holdings.
 
-    ``redeliver(request)`` is called before a request whose SHM references were spent
-    (it ran before and was preempted) is sent to the workers again: it must give the
-    request's features fresh data (a new reference, or the re-processed item).
+    ``deliverable(request)`` says whether a waiting request's features hold data for a
+    delivery now; a preempted request does not until the delivery ledger re-acquired its
+    references (:mod:`scheduler_svc.delivery`), and it waits at the head of the queue.
     """
 
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, encoder: EncoderCacheManager,
-                 redeliver: Callable[[Request], None],
+                 deliverable: Callable[[Request], bool],
                  counters: SchedulerCounters | None = None) -> None:
         self.limits = limits
         self.kv = kv
         self.encoder = encoder
-        self._redeliver = redeliver
+        self._deliverable = deliverable
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next step
+        self._preempted_ids: list[str] = []  # preempted between steps, likewise
         self._orphan_mm_hashes: list[str] = []  # encoder outputs of a predecessor, to drop
+        self._allocated: list[str] = []  # encoder outputs the last schedule() allocated
         self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids
-                    or self._orphan_mm_hashes)
+                    or self._preempted_ids or self._orphan_mm_hashes)
 
     def leftovers(self) -> tuple[list[str], list[str]]:
         """(request ids, mm hashes) the workers may still hold for this scheduler: what a
         successor must release after a worker failure (the surviving workers keep them)."""
-        return ([r.request_id for r in self.running] + self._finished_ids,
+        return ([r.request_id for r in self.running] + self._finished_ids
+                + self._preempted_ids,
                 self.encoder.mm_hashes)
 
     def release_on_workers(self, request_ids: list[str], mm_hashes: list[str]) -> None:
@@ -126,6 +152,29 @@ class Scheduler:
         (ids and hashes they do not hold are ignored there)."""
         self._finished_ids += request_ids
         self._orphan_mm_hashes += mm_hashes
+
+    def refused(self, out: SchedulerOutput, reason: int) -> list[Request]:
+        """The workers refused ``out`` (the last :meth:`schedule`), which changes nothing on
+        them: undo it.
+
+        Its new requests are finished and returned, for the caller to fail: a new request
+        carries what a worker checks (tokens, features, blocks), so it is the likely cause.
+        Its cached requests, accepted before, are preempted and start over as new ones:
+        their blocks of this step never reached the workers. The encoder outputs it
+        allocated (never computed) are forgotten, and the releases it carried are sent
+        again with the next step.
+        """
+        new = [n.request for n in out.new_requests if not n.request.is_finished]
+        for request in new:
+            self.finish(request, reason)
+        for cached in reversed(out.cached_requests):  # the earliest ends up first in line
+            request = self.requests.get(cached.request_id)
+            if request is not None:  # else aborted while the step was out
+                self._preempt(request, None)
+        self.encoder.forget(self._allocated)
+        self.release_on_workers(out.finished_request_ids + out.preempted_request_ids,
+                                out.free_encoder_mm_hashes)
+        return new
 
     def add_request(self, request: Request) -> None:
         request.update_block_hashes(self.kv.block_size)
@@ -148,11 +197,11 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_request_ids=self._finished_ids,
+                              preempted_request_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids, self._allocated = [], [], []
         budget = self.limits.max_num_batched_tokens
         encoder_budget = self.limits.max_num_encoder_tokens
-        preempted = False
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop
@@ -162,14 +211,16 @@ class Scheduler:
                 continue
             new_blocks = self._allocate_or_preempt(request, n, out)
             if new_blocks is None:
-                preempted = True
                 continue
-            preempted |= request.status is not Status.RUNNING
             self._commit(request, n, enc, out)
             out.cached_requests.append(CachedRequestData(
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
             budget -= n
-        if not preempted:
+        # NOTE: after any preemption nothing is admitted in this step, not even requests
+        # that would fit: the victim sits at the head of the queue and, when it shares
+        # blocks with a running request, could fit again at once and be sent as new in
+        # the very step that tells the workers to drop it.
+        if not out.preempted_request_ids:
             budget, encoder_budget = self._schedule_waiting(out, budget, encoder_budget)
         out.free_encoder_mm_hashes = self._orphan_mm_hashes + self.encoder.get_freed_mm_hashes()
         self._orphan_mm_hashes = []
@@ -180,6 +231,8 @@ class Scheduler:
                           encoder_budget: int) -> tuple[int, int]:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
+            if not self._deliverable(request):
+                break  # its references are being re-acquired; it keeps its place
             hits, num_computed = self.kv.get_computed_blocks(request.block_hashes,
                                                              request.num_tokens)
             n = min(request.num_tokens - num_computed, budget)
@@ -192,8 +245,6 @@ class Scheduler:
                 break
             encoder_budget = new_budget
             self.waiting.popleft()
-            if not request.undelivered:
-                self._redeliver(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 self.counters.prefix_cache_hit_tokens += num_computed
@@ -210,6 +261,7 @@ class Scheduler:
         for i in enc:
             f = request.features[i]
             self.encoder.allocate(request.request_id, f.identifier, f.mm_position.length)
+            self._allocated.append(f.identifier)
         request.encoder_runs += len(enc)
         self.counters.encoder_runs += len(enc)
         out.num_scheduled_tokens[request.request_id] = n
@@ -256,7 +308,9 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
+        """Back to the waiting queue's head with nothing held; reported in ``out``, or in
+        the next step's output when ``out`` is None (between steps)."""
         log.info("preempting request %s (recompute)", request.request_id)
         self.running.remove(request)
         self.kv.free(request.request_id)
@@ -266,7 +320,10 @@ class Scheduler:
         request.preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
-        out.finished_request_ids.append(request.request_id)
+        if out is None:
+            self._preempted_ids.append(request.request_id)
+            return
+        out.preempted_request_ids.append(request.request_id)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
         out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]

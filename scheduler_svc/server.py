@@ -81,11 +81,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         ("grpc.max_receive_message_length", limits.max_images * limits.max_image_bytes + (1 << 20)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
-
-    def on_serving(serving: bool) -> None:
-        asyncio.get_running_loop().create_task(public.set_serving(serving))
-
-    engine = Engine(config, cache, workers, on_serving)
+    engine = Engine(config, cache, workers, public.set_serving)
     registry = CollectorRegistry() if config.metrics_port else None
     latency = None
     if registry is not None:

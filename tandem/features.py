@@ -4,7 +4,7 @@ A feature's ``data`` has three forms on its way to the workers:
 
 * a :class:`MultiModalKwargsItem` -- the processed tensors, travelling by value;
 * a :class:`~tandem.shm.ShmDescriptor` -- an address item into the cell's shared segment,
-  standing for references every worker must acknowledge exactly once;
+  standing for writer references (who owes what: ``scheduler_svc/delivery.py``);
 * ``None`` -- stripped: the item's span lies inside the computed prefix and no worker
   will need its payload (see :mod:`tandem.strip`).
 """

@@ -1,7 +1,8 @@
 """Processor caches on the scheduler side (the *sender* caches).
 
-All three share one protocol, used by the scheduler for every delivery of a request's
-images to the workers (first schedule, and again after a preemption)::
+All three answer the same calls, made for every delivery of a request's images (first
+schedule, and again after a preemption) by the scheduler's delivery ledger, their one
+caller, which also owns what the references must become (``scheduler_svc/delivery.py``)::
 
     with cache.pinned(keys):           # all keys of the request, before any put
         for key in keys:
@@ -10,9 +11,9 @@ images to the workers (first schedule, and again after a preemption)::
                 data = cache.store(key, process(key))
 
 * ``shm``: processed items live in the cell's shared segment. A hit or a successful put
-  returns an address item (one writer reference, acknowledged by every worker). When the
-  segment refuses the object (full with everything busy, or over the per-object cap) the
-  item travels inline, and the refusal is counted and logged.
+  returns an address item standing for one writer reference. When the segment refuses
+  the object (full with everything busy, or over the per-object cap) the item travels
+  inline, and the refusal is counted and logged.
 * ``lru``: an in-process LRU of processed items; hits skip processing, data travels inline.
 * ``none``: every image is processed every time.
 """
@@ -115,9 +116,8 @@ class LruProcessorCache(ProcessorCache):
 class ShmProcessorCache(ProcessorCache):
     """Sender side of the shared segment: the scheduler is its only writer.
 
-    Every address item returned stands for exactly one writer reference, acknowledged once
-    by each of the cell's ``n_readers`` workers when it is delivered, or given back with
-    :meth:`release` when it never will be (an aborted request).
+    Every address item returned stands for one writer reference; :meth:`release` gives one
+    back. Where each reference goes is the delivery ledger's (``scheduler_svc/delivery.py``).
     """
 
     kind = "shm"

@@ -1,9 +1,9 @@
 """Worker side of the shared segment: resolve address items and acknowledge them.
 
-Each worker is one reader slot (its rank). For every new request it receives, every
-address item is acknowledged exactly once, whether or not its payload is read, and only
-once the whole step was accepted (``resolve`` reads, ``acknowledge`` acks), so a rejected
-step acknowledges nothing:
+Each worker is one reader slot (its rank). The worker's part of the delivery obligation
+(stated in ``scheduler_svc/delivery.py``): every address item of an accepted step is
+acknowledged, whether or not its payload is read, and only once the whole step was
+accepted (``resolve`` reads, ``acknowledge`` acks), so a refused step acknowledges nothing:
 
 * ``data is None``: a stripped by-value payload; it carries no reference, so nothing is
   touched (vLLM's #54994 crash came from asserting here);

@@ -2,9 +2,9 @@
 
 When the prefix cache covers an image's whole placeholder span, its KV is already computed
 and the encoder never runs for it, so its tensors need not travel. Two kinds of data must
-still reach the workers: SHM address items (every reference the sender issued must be
-acknowledged by every reader, or the segment leaks) and, for M-RoPE models, the
-``keep_on_cpu`` fields the workers compute positions from.
+still reach the workers: SHM address items (each stands for a reference the workers must
+receive: the obligation in ``scheduler_svc/delivery.py``; dropping one was vLLM #54994)
+and, for M-RoPE models, the ``keep_on_cpu`` fields the workers compute positions from.
 """
 
 from __future__ import annotations

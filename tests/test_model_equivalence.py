@@ -10,13 +10,12 @@ CPU; the paths differ only in summation order). Both RoPE and M-RoPE.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
+from tandem.strip import strip_covered_mm_data
 from tandem_testing.scripted import (
     ScriptedRequest,
     ScriptedScheduler,
@@ -82,15 +81,6 @@ def reference_generate(model: Transformer, tokens: list[int],
     return out, torch.stack(chosen)
 
 
-def covered_form(f: MultiModalFeatureSpec, num_computed: int, mrope: bool) -> MultiModalFeatureSpec:
-    """What the scheduler sends for a feature once the prefix covers it (strip)."""
-    if not f.is_covered(num_computed):
-        return f
-    assert isinstance(f.data, MultiModalKwargsItem)
-    kept = MultiModalKwargsItem({k: e for k, e in f.data.items() if e.keep_on_cpu})
-    return replace(f, data=kept if mrope else None)
-
-
 @pytest.fixture(scope="module", params=["tiny", "tiny-mrope"])
 def setup(request: pytest.FixtureRequest):
     config = PRESETS[request.param]
@@ -130,7 +120,8 @@ def test_cold_cached_and_chunked_match_reference(setup) -> None:
     # Prefix hit: every full prompt block but the one holding the last token.
     hit = (len(tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert all(f.is_covered(hit) for f in features), "the prefix should cover both images"
-    sent = [covered_form(f, hit, model.config.uses_mrope) for f in features]
+    sent = list(strip_covered_mm_data(features, hit, model.config.uses_mrope))
+    assert all(s.data is not f.data for s, f in zip(sent, features, strict=True)), "stripped"
     cached = ScriptedRequest("cached", tokens, sent, MAX_NEW,
                              prefix_blocks=cold.block_ids[:hit // BLOCK_SIZE],
                              num_computed_tokens=hit)

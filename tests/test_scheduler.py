@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from scheduler_svc.encoder_cache import EncoderCacheManager
@@ -27,12 +30,15 @@ def _request(rid: str, image: str | None = "img", max_tokens: int = 3, text: int
 
 
 class Harness:
+    """The pure scheduler, stepped by hand; ``held`` are the waiting requests whose data
+    is not deliverable (what the delivery ledger says while it re-acquires)."""
+
     def __init__(self, num_blocks: int = 64, budget: int = 64, caching: bool = True) -> None:
         self.kv = KVCacheManager(num_blocks, BLOCK, caching)
         self.encoder = EncoderCacheManager(64)
-        self.redelivered: list[str] = []
+        self.held: set[str] = set()
         self.sched = Scheduler(SchedulerLimits(8, budget, budget), self.kv, self.encoder,
-                               lambda r: self.redelivered.append(r.request_id))
+                               lambda r: r.request_id not in self.held)
 
     def step(self, sample: int = 65):
         out = self.sched.schedule()
@@ -106,34 +112,120 @@ def test_chunked_prefill_splits_before_an_image_that_does_not_fit_the_budget() -
 
 
 def test_prefix_caching_off_computes_everything() -> None:
+    """No prefix hit, so every prompt token is computed again; the image itself is not
+    encoded again: the workers' encoder cache still holds it (that cache is separate)."""
     h = Harness(caching=False)
-    for rid in ("a", "b"):
+    for rid, encoded in (("a", {"a": [0]}), ("b", {})):
         r = _request(rid)
         h.sched.add_request(r)
         out, _ = h.step()
         assert out.new_requests[0].num_computed_tokens == 0
-        assert out.encoder_inputs.get(rid) in ([0], None)
+        assert out.num_scheduled_tokens == {rid: r.num_prompt_tokens}
+        assert out.encoder_inputs == encoded
         while not r.is_finished:
             h.step()
+    assert h.kv.prefix_cache_blocks == 0
 
 
-def test_preemption_frees_blocks_and_redelivers() -> None:
+def test_preemption_frees_blocks_and_waits_for_the_data() -> None:
+    """The preempted request is reported apart from finished ones, holds nothing, and is
+    not admitted again until its data is deliverable (the ledger re-acquiring)."""
     h = Harness(num_blocks=8, budget=64)
     a, b = _request("a", max_tokens=20), _request("b", image="other", max_tokens=20)
     h.sched.add_request(a)
     h.sched.add_request(b)
-    preempted = False
-    for _ in range(40):
+    for _ in range(20):
         out, _ = h.step()
-        if "b" in out.finished_request_ids and b.status is Status.WAITING:
-            preempted = True
-            assert b.num_computed_tokens == 0 and h.kv.get_block_ids("b") == []
-        if a.is_finished and b.is_finished:
+        if out.preempted_request_ids:
             break
-    assert preempted and b.preemptions >= 1
-    assert a.is_finished and b.is_finished
-    assert "b" in h.redelivered, "a preempted request's spent features are re-acquired"
+    assert out.preempted_request_ids == ["b"] and out.finished_request_ids == []
+    assert b.status is Status.WAITING and b.preemptions == 1
+    assert b.num_computed_tokens == 0 and h.kv.get_block_ids("b") == []
+    h.held.add("b")
+    while not a.is_finished:
+        out, _ = h.step()
+        assert "b" not in out.num_scheduled_tokens
+    out, _ = h.step()
+    assert out.num_scheduled_tokens == {} and b.status is Status.WAITING, \
+        "free blocks, but b's data is not deliverable yet"
+    h.held.clear()
+    out, _ = h.step()
+    assert [n.request.request_id for n in out.new_requests] == ["b"]
+    while not b.is_finished:
+        h.step()
     assert h.kv.num_free_blocks == 8
+
+
+def test_a_step_that_preempts_admits_no_request() -> None:
+    """Fault 4 of issue 13: b shares its prefix blocks with a, so once preempted it would
+    fit again at once; it must not be sent as new in the step that drops it."""
+    h = Harness(num_blocks=6, budget=64)
+    a = _request("a", image="other", text=6, max_tokens=7)
+    b = _request("b", image="other", text=1, max_tokens=11)
+    h.sched.add_request(a)
+    h.step()
+    h.sched.add_request(b)
+    for _ in range(6):
+        out, _ = h.step()
+        if out.preempted_request_ids:
+            break
+    assert out.preempted_request_ids == ["b"]
+    assert out.new_requests == [] and "b" not in out.num_scheduled_tokens
+    out, _ = h.step()
+    assert [n.request.request_id for n in out.new_requests] == ["b"], "b resumes next step"
+
+
+def test_a_refused_step_is_undone() -> None:
+    """Workers that refuse a step change nothing: its new request fails, its cached one
+    starts over (its blocks of that step never reached them), and the encoder output it
+    allocated is forgotten, so the next request with that image encodes it."""
+    h = Harness()
+    a = _request("a", max_tokens=10)
+    h.sched.add_request(a)
+    h.step()
+    b = _request("b", image="other")
+    h.sched.add_request(b)
+    out = h.sched.schedule()
+    assert out.encoder_inputs == {"b": [0]} and [c.request_id for c in out.cached_requests] == ["a"]
+    assert h.sched.refused(out, generate_pb2.FINISH_REASON_ABORT) == [b]
+    assert b.is_finished and "other" not in h.encoder and a.status is Status.WAITING
+    h.encoder.check_invariants()
+    out, _ = h.step()
+    assert (out.finished_request_ids, out.preempted_request_ids) == (["b"], ["a"])
+    assert out.num_scheduled_tokens == {}
+    out, _ = h.step()
+    assert [n.request.request_id for n in out.new_requests] == ["a"]
+    assert out.encoder_inputs == {}, "a's image was computed before the refusal"
+    c = _request("c", image="other")
+    h.sched.add_request(c)
+    encoded = []
+    while not (a.is_finished and c.is_finished):
+        out, _ = h.step()
+        encoded += out.encoder_inputs.get("c", [])
+    assert encoded == [0] and h.kv.num_free_blocks == 64
+
+
+def test_a_request_repr_hides_tokens_and_salt() -> None:
+    r = _request("r1")
+    r.cache_salt = "tenant-secret"
+    text = repr(r)
+    assert "r1" in text and "tenant-secret" not in text
+    assert " token_ids=" not in text and str(r.token_ids[-3:])[1:-1] not in text
+
+
+@pytest.mark.parametrize("code", [
+    "from scheduler_svc.block_pool import BlockPool as P; P(0, True)",
+    "from scheduler_svc.block_pool import BlockPool as P; P(2, True).get_new_blocks(3)",
+    "from scheduler_svc.kv_cache_manager import KVCacheManager as K; K(4, 0)",
+    "from scheduler_svc.encoder_cache import EncoderCacheManager as E; E(0)",
+    "from scheduler_svc.encoder_cache import EncoderCacheManager as E; E(4).allocate('r', 'h', 5)",
+    "from scheduler_svc.worker_client import WorkerPool as W; W([])",
+])
+def test_limits_raise_under_python_O(code: str) -> None:
+    """Runtime limits are real errors: asserts vanish under ``python -O``."""
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "ValueError" in proc.stderr.splitlines()[-1], proc.stderr
 
 
 def test_eos_and_stop_ids_finish_with_stop() -> None:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 class ShmDescriptor:
     """Names one object of one segment generation and the references it stands for.
 
-    It carries everything a reader needs to acknowledge exactly once: the reader adds `refs`
-    to its own ack counter of the chunk, so no reader has to guess how many references the
-    writer took for a delivery (the flaw of vLLM's shared reader counter).
+    It carries everything a reader needs to acknowledge it: the reader adds `refs` to its
+    own ack counter of the chunk, so no reader has to guess how many references the writer
+    took for a delivery (the flaw of vLLM's shared reader counter).
     """
 
     generation: int

@@ -1,0 +1,126 @@
+"""The spans a request carries while tracing is on: ``generate_content {model}`` and one
+``tandem.mm.process`` child per image.
+
+The span follows the GenAI semantic conventions plus Tandem's cache attributes; what
+happens to the request in between is recorded as events (``queued``,
+``prefix_cache_lookup``, ``scheduled``, ``stripped``, ``preempted``, ``first_token``),
+not spans per step, because a step serves many requests (the worker's step spans link
+back instead). :mod:`scheduler_svc.request_telemetry` decides which events and
+attributes; this module only holds the spans, so a request can carry one without
+depending on the scheduler.
+
+Spans exist only while tracing is on: elsewhere ``Request.trace`` is None. Attributes are
+counts, sizes, hash prefixes and timings, never prompt text, token ids or image bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
+from tandem import tracing
+from tandem.errors import TandemError
+from tandem.features import FeatureData, MultiModalKwargsItem
+from tandem.shm import ShmDescriptor
+from tandem.v1 import generate_pb2
+
+HASH_PREFIX_CHARS = 16
+
+
+class ImageSpan:
+    """Records how one image reached the request (``tandem.mm.process``)."""
+
+    def __init__(self, span: trace.Span | None) -> None:
+        self.span = span
+
+    def done(self, cache_kind: str, hit: bool, data: FeatureData) -> None:
+        """``hit``: the cache had it. Otherwise it was processed now, and stored (miss) or
+        sent inline because no cache took it (bypass: cache ``none``, or a refused put)."""
+        if self.span is None:
+            return
+        refused = cache_kind == "shm" and not isinstance(data, ShmDescriptor)
+        result = "hit" if hit else ("bypass" if cache_kind == "none" or refused else "miss")
+        self.span.set_attribute("tandem.mm.cache.result", result)
+        if isinstance(data, ShmDescriptor):
+            self.span.set_attributes({
+                "tandem.shm.address": data.address, "tandem.shm.monotonic_id": data.monotonic_id,
+                "tandem.shm.object_bytes": data.nbytes,
+                # hex: the generation is a random u64, beyond the int64 attributes allow
+                "tandem.shm.segment_generation": f"{data.generation:016x}"})
+        elif isinstance(data, MultiModalKwargsItem):
+            self.span.set_attribute("tandem.mm.processed_bytes", data.nbytes)
+
+
+_NO_IMAGE_SPAN = ImageSpan(None)
+
+
+class RequestTrace:
+    """The ``generate_content {model}`` span of one request (started when the call arrives)."""
+
+    def __init__(self, model: str, msg: generate_pb2.GenerateRequest) -> None:
+        s = msg.sampling
+        attributes: dict[str, str | bool | int | float] = {
+            "gen_ai.operation.name": "generate_content", "gen_ai.provider.name": "tandem",
+            "gen_ai.request.model": model, "gen_ai.request.temperature": s.temperature,
+            "tandem.cache_salt.set": bool(msg.cache_salt), "tandem.mm.items": len(msg.images)}
+        if s.top_k > 0:
+            attributes["gen_ai.request.top_k"] = s.top_k
+        for name in ("max_tokens", "top_p", "seed"):
+            if s.HasField(name):
+                attributes[f"gen_ai.request.{name}"] = getattr(s, name)
+        self.model = model
+        self.span = tracing.tracer().start_span(
+            f"generate_content {model}", kind=trace.SpanKind.INTERNAL, attributes=attributes)
+        self.traceparent = tracing.traceparent(self.span)
+
+    def event(self, name: str, attributes: dict[str, int | float | str] | None = None) -> None:
+        self.span.add_event(name, attributes)
+
+    @contextmanager
+    def image(self, key: str, num_tokens: int,
+              media: generate_pb2.MediaItem) -> Iterator[ImageSpan]:
+        size = len(media.encoded) if media.HasField("encoded") else media.tensor.ByteSize()
+        span = tracing.tracer().start_span(
+            "tandem.mm.process", context=trace.set_span_in_context(self.span),
+            attributes={"tandem.mm.hash": key[:HASH_PREFIX_CHARS], "tandem.mm.modality": "image",
+                        "tandem.mm.num_tokens": num_tokens, "tandem.mm.bytes": size})
+        try:
+            yield ImageSpan(span)
+        except BaseException as exc:
+            _set_error(span, exc)
+            raise
+        finally:
+            span.end()
+
+    def end(self, attributes: Mapping[str, AttributeValue], error: BaseException | None) -> None:
+        """Set the final ``attributes`` (usage, cache figures) and the error, if any; end."""
+        self.span.set_attributes(attributes)
+        if error is not None:
+            _set_error(self.span, error)
+        self.span.end()
+
+
+def image_span(trace_: RequestTrace | None, key: str, num_tokens: int,
+               media: generate_pb2.MediaItem) -> AbstractContextManager[ImageSpan]:
+    """The image's span under ``trace_``, or a do-nothing one when the request is untraced."""
+    if trace_ is None:
+        return nullcontext(_NO_IMAGE_SPAN)
+    return trace_.image(key, num_tokens, media)
+
+
+def _set_error(span: trace.Span, error: BaseException) -> None:
+    # A fixed code, not the message: messages may quote client input.
+    span.set_attribute("error.type", _error_type(error))
+    span.set_status(trace.StatusCode.ERROR)
+
+
+def _error_type(error: BaseException) -> str:
+    if isinstance(error, TandemError):
+        return error.reason
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return type(error).__name__

@@ -1,0 +1,156 @@
+"""The scheduler's engine against a real worker process, with faults a cell meets: a worker
+stopped (SIGSTOP) for longer than the step timeout, a step refused by a healthy worker, an
+unexpected error in the engine loop, and shutdown while a worker is unreachable.
+
+The engine, its processor cache (a real segment) and a fault-injecting relay run in the
+test's event loop; the worker is a spawned ``worker_svc`` process reached over its Unix
+socket. The relay forwards every call unchanged except the ones a test tells it to refuse,
+answering those as a healthy worker refusing a step does (a status with an ErrorInfo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import signal
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from engines import generate, idle, running_engine, until
+from worker_relay import relay
+from workers import running_worker
+
+from tandem.errors import TandemError, Unavailable
+from tandem.processor_cache import SEGMENT_FILE
+from tandem.shm.segment import C_ACKS, C_REFS, HEADER_SIZE
+from tandem_testing.cells import png, request
+from worker_svc.config import WorkerConfig
+
+PROMPT = "Look at <image> and say"
+STEP_TIMEOUT_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
+    """(shared directory, pid) of one worker process for the whole module."""
+    shm = tmp_path_factory.mktemp("shm")
+    config = WorkerConfig(shm_dir=str(shm), kv_cache_bytes=4 << 20)
+    with running_worker(config) as (proc, _):
+        yield shm, proc.pid
+
+
+def chunk_words(shm: Path, address: int = 0) -> tuple[int, int]:
+    """(refs issued, ack of slot 0) of the chunk at ``address``, read from the file."""
+    with open(shm / SEGMENT_FILE, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                        access=mmap.ACCESS_READ) as m:
+        base = HEADER_SIZE + address
+        refs, = struct.unpack_from("<Q", m, base + 8 * C_REFS)
+        ack, = struct.unpack_from("<Q", m, base + 8 * C_ACKS)
+    return refs, ack
+
+
+def corrupt_ack(shm: Path, value: int, address: int = 0) -> None:
+    with open(shm / SEGMENT_FILE, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        struct.pack_into("<Q", m, HEADER_SIZE + address + 8 * C_ACKS, value)
+
+
+def test_a_timed_out_step_leaves_the_slot_of_a_live_worker_alone(worker) -> None:
+    """Fault 1: a worker stopped past the step timeout is alive; its step may still run and
+    acknowledge, so the writer must not write its ack slot."""
+    shm, pid = worker
+
+    async def main() -> None:
+        async with running_engine(shm, step_timeout_s=STEP_TIMEOUT_S) as e:
+            msg = request(PROMPT, [png(1)], max_tokens=4)
+            reference = await generate(e, msg)
+            await idle(e)
+            assert chunk_words(shm) == (1, 1)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Unavailable):
+                    await generate(e, msg)
+                refs, ack = chunk_words(shm)
+                assert (refs, ack) == (2, 1), "the stopped worker's ack slot was written"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await until(lambda: e.serving)
+            assert await generate(e, msg) == reference
+            await until(lambda: e.cache_stats().shm_unacked_refs == 0)
+            e.check_invariants()
+
+    asyncio.run(main())
+
+
+def test_a_step_refused_by_a_healthy_worker_fails_only_its_requests(worker, tmp_path) -> None:
+    """Fault 6: INVALID_ARGUMENT is the worker's answer about one step's requests, not a
+    lost worker: the others keep streaming and the cell keeps serving."""
+    shm, _ = worker
+
+    async def main() -> None:
+        async with relay(shm / "worker-0.sock", tmp_path / "relay.sock") as r, \
+                running_engine(shm, f"unix://{tmp_path}/relay.sock",
+                               step_timeout_s=STEP_TIMEOUT_S) as e:
+            long = asyncio.create_task(generate(e, request(
+                "A long answer", max_tokens=40, ignore_eos=True)))
+            await until(lambda: any(e.scheduler.requests.values()))
+            r.refuse = lambda step: any(n.request_id == "doomed" for n in step.new_requests)
+            doomed = request(PROMPT, [png(2)], max_tokens=4)
+            doomed.request_id = "doomed"
+            with pytest.raises(TandemError) as err:
+                await generate(e, doomed)
+            assert err.value.code == grpc.StatusCode.INTERNAL and r.refused == 1
+            assert len(await long) == 40
+            assert e.serving and e.worker_losses == 0
+            await until(lambda: e.cache_stats().shm_unacked_refs == 0)
+
+    asyncio.run(main())
+
+
+def test_an_unexpected_error_fails_the_requests_then_health(worker, monkeypatch) -> None:
+    """Fault 2: an error the loop did not expect (here TANDEM_DEBUG_INVARIANTS finding the
+    segment corrupted from outside) fails the requests with INTERNAL instead of ending the
+    loop silently; when it happens again right after recovering, the cell stops serving."""
+    shm, _ = worker
+    monkeypatch.setenv("TANDEM_DEBUG_INVARIANTS", "1")
+
+    async def main() -> None:
+        async with running_engine(shm, step_timeout_s=STEP_TIMEOUT_S) as e:
+            await generate(e, request(PROMPT, [png(3)], max_tokens=2))
+            corrupt_ack(shm, 99)  # more acknowledgements than references: a rogue writer
+            for _ in range(2):
+                with pytest.raises(TandemError) as err:
+                    await asyncio.wait_for(
+                        generate(e, request("Text only", max_tokens=4, ignore_eos=True)), 20)
+                assert err.value.code == grpc.StatusCode.INTERNAL
+                assert "internal error" in err.value.message
+            assert not e.serving
+            with pytest.raises(Unavailable):
+                await generate(e, request("Text only", max_tokens=4))
+            corrupt_ack(shm, 1)
+
+    asyncio.run(main())
+
+
+def test_stop_awaits_every_task_of_the_engine(worker) -> None:
+    """Fault 6: the reconnect loop after a loss is a task the engine keeps and stops."""
+    shm, pid = worker
+
+    async def main() -> None:
+        async with running_engine(shm, step_timeout_s=STEP_TIMEOUT_S) as e:
+            await generate(e, request("Warm", max_tokens=2))
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Unavailable):
+                    await generate(e, request("Stuck", max_tokens=2))
+                await e.stop()
+                await asyncio.sleep(0.1)
+                left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                assert left == []
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+    asyncio.run(main())

@@ -1,0 +1,58 @@
+"""A relay between a scheduler and a real worker: forwards every Worker and health call
+unchanged, records the steps, and refuses the ones a test chooses, answering as a healthy
+worker refusing a step does (INVALID_ARGUMENT with a google.rpc.ErrorInfo). A network-fault
+injector, not a stand-in: the worker behind it is the real process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from tandem.errors import InvalidInput, rich_status
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+
+class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.worker = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.refuse: Callable[[worker_pb2.StepRequest], bool] = lambda _: False
+        self.steps: list[worker_pb2.StepRequest] = []  # every step forwarded
+        self.refused = 0
+
+    async def Describe(self, msg, context):
+        return await self.worker.Describe(msg, timeout=context.time_remaining())
+
+    async def Step(self, msg, context):
+        if self.refuse(msg):
+            self.refused += 1
+            error = InvalidInput("step refused by the test relay", "BAD_TOKENS")
+            context.set_trailing_metadata(rich_status(error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        self.steps.append(msg)
+        return await self.worker.Step(msg, timeout=context.time_remaining())
+
+    async def Watch(self, msg, context):
+        async for reply in self.health.Watch(msg):
+            yield reply
+
+
+@asynccontextmanager
+async def relay(worker_socket: Path, path: Path) -> AsyncIterator[Relay]:
+    """A relay on the Unix socket ``path`` in front of the worker at ``worker_socket``."""
+    servicer = Relay(f"unix://{worker_socket}")
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        yield servicer
+    finally:
+        await server.stop(0)
+        await servicer.channel.close()
