@@ -20,7 +20,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -28,9 +27,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # not a package
-
-from test_reuse_curve import (
+from tandem.reuse_curve import ReuseCurve, ReuseCurveConfig
+from tandem.shm import ShmReader, ShmWriter
+from tandem.shm.segment import CHUNK_ALIGN, chunk_header_size, round_up
+from tandem_testing.reuse_traces import (
     FRACTIONS,
     Trace,
     estimate,
@@ -41,10 +41,6 @@ from test_reuse_curve import (
     working_set,
     zipf_trace,
 )
-
-from tandem.reuse_curve import ReuseCurve, ReuseCurveConfig
-from tandem.shm import ShmReader, ShmWriter
-from tandem.shm.segment import CHUNK_ALIGN, chunk_header_size, round_up
 
 CONFIGS = {
     "R=0.1": ReuseCurveConfig(rate=0.1, max_keys=100_000),

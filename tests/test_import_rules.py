@@ -145,3 +145,15 @@ def _resolve(name: str) -> set[str]:
         return {name}
     parent = name.rpartition(".")[0]
     return {parent} if parent in GRAPH else set()
+
+
+def test_tests_and_benchmarks_import_the_harness_without_path_edits() -> None:
+    """What tests and benchmarks share lives in ``tandem_testing``: no ``sys.path`` edits."""
+    offenders = []
+    for folder in ("tests", "bench", "tandem_testing"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Attribute) and node.attr == "path"
+                        and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+                    offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"sys.path used in {sorted(set(offenders))}"
