@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_generate__pb2.CacheStatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generate__pb2.CacheStatsResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/tandem.v1.Generation/GetModelInfo',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -64,6 +69,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served model and the limits requests must respect (the same on every cell of a
+        deployment; the router answers from one of its healthy cells).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.CacheStats,
                     request_deserializer=tandem_dot_v1_dot_generate__pb2.CacheStatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generate__pb2.CacheStatsResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Generation:
             '/tandem.v1.Generation/CacheStats',
             tandem_dot_v1_dot_generate__pb2.CacheStatsRequest.SerializeToString,
             tandem_dot_v1_dot_generate__pb2.CacheStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/GetModelInfo',
+            tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
