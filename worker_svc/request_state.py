@@ -18,6 +18,32 @@ PIXEL_VALUES = "pixel_values"
 IMAGE_GRID_THW = "image_grid_thw"
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """The penalties' view of a request, on the device: which tokens its prompt holds and
+    how often each occurs in its output.
+
+    Built from the tokens the worker knows (``token_ids[:num_prompt_tokens]`` is the
+    prompt, the rest output) and advanced by one per sampled token, so a request resumed
+    after a preemption, or admitted with a prefix-cache hit, counts exactly what an
+    uninterrupted one does. Invariant (checked by ``RequestState.check_invariants``):
+    ``output_counts`` sums to the request's output token count.
+    """
+
+    prompt_mask: Tensor = field(repr=False)  # (V,) bool
+    output_counts: Tensor = field(repr=False)  # (V,) int32
+
+    @classmethod
+    def of(cls, token_ids: list[int], num_prompt_tokens: int, vocab_size: int,
+           device: torch.device) -> TokenCounts:
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[ids[:num_prompt_tokens]] = True
+        counts = torch.bincount(ids[num_prompt_tokens:], minlength=vocab_size)
+        return cls(mask.to(device, non_blocking=True),
+                   counts.to(device=device, dtype=torch.int32, non_blocking=True))
+
+
 @dataclass
 class RequestState:
     """One request between its NewRequest and its release.
@@ -39,6 +65,9 @@ class RequestState:
     num_computed_tokens: int
     positions: Tensor = field(repr=False)  # (3, n0) for the tokens known at creation
     next_position: int  # position of token n0; token n0 + i gets next_position + i
+    # Built on the first sampling of a request with penalties (``token_counts``), then
+    # advanced by ``append_output``; None otherwise.
+    counts: TokenCounts | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +76,18 @@ class RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def token_counts(self, vocab_size: int, device: torch.device) -> TokenCounts:
+        if self.counts is None:
+            self.counts = TokenCounts.of(self.token_ids, self.num_prompt_tokens, vocab_size,
+                                         device)
+        return self.counts
+
+    def append_output(self, token: int) -> None:
+        """Record a sampled token (and count it, once counts exist)."""
+        self.token_ids.append(token)
+        if self.counts is not None:
+            self.counts.output_counts[token] += 1
 
     def positions_between(self, start: int, end: int) -> Tensor:
         """(3, end - start) positions of tokens [start, end)."""
@@ -78,6 +119,9 @@ class RequestState:
         for f in self.features:
             assert not (f.is_covered(self.num_computed_tokens) and f.data is not None), (
                 f"covered feature {f.identifier} still holds a payload")
+        if self.counts is not None:
+            assert int(self.counts.output_counts.sum()) == self.num_output_tokens, (
+                "penalty counts differ from the output tokens")
 
 
 def new_request_state(req: NewRequestData, features: list[MultiModalFeatureSpec],

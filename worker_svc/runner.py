@@ -14,6 +14,7 @@ import torch
 from tandem.errors import FailedPrecondition, InvalidInput
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from tandem.receiver_cache import ShmReceiverCache
+from tandem.sampling import check_sampling
 from tandem.shm import ShmDescriptor
 from worker_svc.batch import build_batch
 from worker_svc.encoder_cache import EncoderCache
@@ -24,8 +25,14 @@ from worker_svc.request_state import (
     RequestState,
     new_request_state,
 )
-from worker_svc.sampler import exponential_noise, sample, token_seed
-from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
+from worker_svc.sampler import (
+    apply_penalties,
+    exponential_noise,
+    sample,
+    token_logprobs,
+    token_seed,
+)
+from worker_svc.step import Logprobs, NewRequestData, SamplingParams, StepInput, StepOutput
 from worker_svc.synthetic import synthetic_image
 from worker_svc.tensor_parallel import TensorParallelGroup
 
@@ -100,10 +107,10 @@ class StepRunner:
         for r in step.cached_requests:
             self.requests[r.request_id].block_ids.extend(r.new_block_ids)
         runs = self._run_encoder(step)
-        sampled = self._forward_and_sample(step)
+        sampled, logprobs = self._forward_and_sample(step)
         if self.debug_invariants:
             self.check_invariants()
-        return StepOutput(step.step_id, sampled, resolved, acked, runs)
+        return StepOutput(step.step_id, sampled, resolved, acked, runs, logprobs)
 
     def _validate(self, step: StepInput) -> None:
         finished = set(step.finished_request_ids)
@@ -144,6 +151,7 @@ class StepRunner:
                 t >= self.config.vocab_size for t in r.token_ids):
             raise InvalidInput(f"request {r.request_id}: empty prompt, prompt count over the "
                                "tokens, or a token outside the vocabulary", reason="BAD_TOKENS")
+        check_sampling(r.sampling, self.config.vocab_size)
         ends = 0
         for f in r.features:
             if f.mm_position.offset < ends or f.mm_position.end > n or f.mm_position.length <= 0:
@@ -251,38 +259,93 @@ class StepRunner:
                 runs += 1
         return runs
 
-    def _forward_and_sample(self, step: StepInput) -> dict[str, list[int]]:
+    def _forward_and_sample(self, step: StepInput
+                            ) -> tuple[dict[str, list[int]], dict[str, list[Logprobs]]]:
         order = [r.request_id for r in step.new_requests] + [
             r.request_id for r in step.cached_requests]
         scheduled = [(self.requests[rid], step.num_scheduled_tokens[rid]) for rid in order]
         if not scheduled:  # a step that only releases state
-            return {}
+            return {}, {}
         batch = build_batch(scheduled, self.encoder_cache, self.model.block_size, self.device)
         logits = self.model(batch.inputs)
-        tokens = self._sample(logits, batch.sampling)
+        tokens, logprobs = self._sample(logits, batch.sampling)
         for state, n in scheduled:
             state.num_computed_tokens += n
         for state, token in zip(batch.sampling, tokens, strict=True):
-            state.token_ids.append(token)
+            state.append_output(token)
         for state, _ in scheduled:
             state.drop_covered_payloads()
-        return {s.request_id: [t] for s, t in zip(batch.sampling, tokens, strict=True)}
+        return ({s.request_id: [t] for s, t in zip(batch.sampling, tokens, strict=True)},
+                logprobs)
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]
+                ) -> tuple[list[int], dict[str, list[Logprobs]]]:
+        """The order of :mod:`worker_svc.sampler`; ``logits`` stay raw for the logprobs."""
         if not states:
-            return []
+            return [], {}
         dev = logits.device
         params = [s.sampling for s in states]
         noise = exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
                                   logits.shape[-1], dev)
         tokens = sample(
-            logits,
+            self._penalised(self._mask_stops(logits, states), states),
             temperature=torch.tensor([p.temperature for p in params], device=dev),
             top_k=torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64),
             top_p=torch.tensor([p.top_p for p in params], device=dev),
+            min_p=torch.tensor([p.min_p for p in params], device=dev),
             noise=noise,
         )
-        return tokens.tolist()  # the step's one host sync
+        wanted = [i for i, p in enumerate(params) if p.logprobs]
+        if not wanted:
+            return tokens.tolist(), {}  # the step's one host sync
+        rows = torch.tensor(wanted, device=dev)
+        k = max(params[i].top_logprobs for i in wanted)
+        chosen, top_ids, top = token_logprobs(logits[rows], tokens[rows], k)
+        # Everything is queued before the first read, so the reads wait once, together.
+        host_tokens, chosen_l, ids_l, top_l = (
+            tokens.tolist(), chosen.tolist(), top_ids.tolist(), top.tolist())
+        logprobs = {}
+        for j, i in enumerate(wanted):
+            n = params[i].top_logprobs
+            logprobs[states[i].request_id] = [Logprobs(chosen_l[j], ids_l[j][:n], top_l[j][:n])]
+        return host_tokens, logprobs
+
+    def _mask_stops(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """min_tokens: rows short of their minimum cannot sample EOS (unless ignore_eos)
+        nor their stop ids. A new tensor: the raw logits stay for the logprobs."""
+        rows: list[int] = []
+        ids: list[int] = []
+        for r, s in enumerate(states):
+            p = s.sampling
+            if s.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (
+                    set() if p.ignore_eos else set(self.config.eos_token_ids))
+                rows += [r] * len(stops)
+                ids += sorted(stops)
+        if not rows:
+            return logits
+        index = (torch.tensor(rows, device=logits.device),
+                 torch.tensor(ids, device=logits.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+    def _penalised(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """Presence, frequency and repetition penalties on the rows that have any."""
+        rows = [r for r, s in enumerate(states) if s.sampling.has_penalties]
+        if not rows:
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
+        counts = [states[r].token_counts(vocab, dev) for r in rows]
+        params = [states[r].sampling for r in rows]
+        index = torch.tensor(rows, device=dev)
+        penalised = apply_penalties(
+            logits[index],
+            prompt_mask=torch.stack([c.prompt_mask for c in counts]),  # (P, V)
+            output_counts=torch.stack([c.output_counts for c in counts]),  # (P, V)
+            presence=torch.tensor([p.presence_penalty for p in params], device=dev),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=dev),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=dev),
+        )
+        return logits.index_copy(0, index, penalised)
 
     def warm_up(self) -> None:
         """Run one tiny request through every stage (encoder, forward, sampler), then release it.

@@ -1,11 +1,20 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Token sampling: penalties, greedy, temperature, min-p, top-k, top-p, logprobs.
 
 Pure functions over a batch of rows, vectorised over per-row parameters, with no host
-sync (the caller reads the tokens once, to answer the step). A categorical draw is
-``argmax(probs / E)`` with ``E ~ Exp(1)`` per entry, which picks token i with probability
-probs[i]. The noise of output token i of a request comes from a generator seeded with
-``mix(seed, i)``, so the same seed gives the same tokens even when a request is preempted
-and resumed, or replayed by another worker of the cell.
+sync (the caller reads the tokens once, to answer the step). The order is vLLM's, so the
+parameters mean what they mean there::
+
+    raw logits --> logprobs (what a client sees: the model's own distribution)
+        |
+        +--> mask stop ids (min_tokens) --> penalties --> greedy: argmax
+                                                 |
+                                                 +--> / temperature --> min-p --> top-k,
+                                                      top-p --> categorical draw
+
+A categorical draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` per entry, which picks
+token i with probability probs[i]. The noise of output token i of a request comes from a
+generator seeded with ``mix(seed, i)``, so the same seed gives the same tokens even when
+a request is preempted and resumed, or replayed by another worker of the cell.
 """
 
 from __future__ import annotations
@@ -57,15 +66,57 @@ def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, filtered)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+def filter_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Set logits of tokens less likely than ``min_p`` times the row's top token to -inf.
+
+    logits (R, V); min_p (R,) in [0, 1], 0 keeps every token. The top token survives.
+    """
+    probs = logits.softmax(dim=-1)  # (R, V)
+    floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # (R, 1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
+                    presence: Tensor, frequency: Tensor, repetition: Tensor) -> Tensor:
+    """Penalised logits (R, V), by the formulas of vLLM and OpenAI.
+
+    Repetition (CTRL's, over prompt and output): a token that occurs in either has a
+    positive logit divided by ``repetition``, a negative one multiplied. Then OpenAI's,
+    over the output only: ``- frequency * count - presence * (count > 0)``.
+
+    logits (R, V) float32; prompt_mask (R, V) bool, the token occurs in the prompt;
+    output_counts (R, V), its occurrences in the output so far; presence, frequency,
+    repetition (R,) float32 (0, 0 and 1 leave a row unchanged).
+    """
+    counts = output_counts.to(logits.dtype)  # (R, V)
+    in_output = counts > 0
+    factor = torch.where(prompt_mask | in_output, repetition[:, None], 1.0)  # (R, V)
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    return logits - frequency[:, None] * counts - presence[:, None] * in_output
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
            noise: Tensor) -> Tensor:
     """Next tokens (R,) int64. Rows with temperature 0 are greedy (argmax of the logits).
 
-    logits (R, V) float32; temperature, top_p (R,) float32; top_k (R,) int64; noise (R, V)
-    from :func:`exponential_noise` (ignored for greedy rows).
+    logits (R, V) float32, penalties and masks applied; temperature, top_p, min_p (R,)
+    float32; top_k (R,) int64; noise (R, V) from :func:`exponential_noise` (ignored for
+    greedy rows).
     """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # (R, V)
-    drawn = (probs / noise).argmax(dim=-1)
+    filtered = filter_top_k_top_p(filter_min_p(scaled, min_p), top_k, top_p)
+    drawn = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-softmax of ``logits`` (R, V) at ``tokens`` (R,), and its ``k`` largest entries.
+
+    Returns (R,) logprobs of the tokens, (R, k) top token ids and (R, k) their logprobs,
+    most likely first.
+    """
+    logprobs = logits.log_softmax(dim=-1)  # (R, V)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # (R,)
+    top, top_ids = logprobs.topk(k, dim=-1)  # (R, k)
+    return chosen, top_ids, top

@@ -14,10 +14,31 @@ from tandem.features import MultiModalFeatureSpec
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling, resolved (the proto's "unset" already mapped to "off").
+
+    ``generate.proto``'s SamplingParams comments are the contract for each field; the
+    allowed ranges are :func:`tandem.sampling.check_sampling`'s. Stops themselves are the
+    scheduler's: a worker needs the stop ids only to mask them under ``min_tokens``.
+    """
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # in (0, 1]; 1 = off
     top_k: int = 0  # <= 0 = off
     seed: int | None = None  # None: derived from the request id (same on every rank)
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2], over the output tokens; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2], per output occurrence; 0 = off
+    repetition_penalty: float = 1.0  # > 0, over prompt and output tokens; 1 = off
+    min_tokens: int = 0  # outputs before EOS and stop ids may be sampled
+    stop_token_ids: tuple[int, ...] = ()  # masked with the EOS ids under min_tokens
+    ignore_eos: bool = False  # EOS is no stop, so min_tokens leaves it unmasked
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # 0..20: also this many most likely tokens (needs logprobs)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)
@@ -61,9 +82,23 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities at one sampled position (of the raw logits: worker.proto's
+    SampledLogprobs)."""
+
+    logprob: float  # of the sampled token
+    top_token_ids: list[int]  # most likely first; as many as the request's top_logprobs
+    top_logprobs: list[float]  # same length
+
+
+@dataclass(frozen=True)
 class StepOutput:
+    """Invariant: ``logprobs`` has an entry for exactly the sampled requests that asked for
+    logprobs, one ``Logprobs`` per sampled token."""
+
     step_id: int
     sampled: dict[str, list[int]]  # id -> tokens, for requests whose prompt is complete
     shm_resolved: int = 0  # address items whose payload was read
     shm_acked: int = 0  # address items acknowledged (read or not)
     encoder_runs: int = 0  # items run through the vision encoder
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # id -> per token

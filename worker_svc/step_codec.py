@@ -10,6 +10,7 @@ from tandem.feature_codec import feature_from_proto, feature_to_proto
 from tandem.v1 import generate_pb2, worker_pb2
 from worker_svc.step import (
     CachedRequestData,
+    Logprobs,
     NewRequestData,
     SamplingParams,
     StepInput,
@@ -18,18 +19,33 @@ from worker_svc.step import (
 
 
 def sampling_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults become the domain's "off": top_p 0 -> 1, top_k -1 -> 0."""
+    """Proto defaults become the domain's "off": top_p 0 -> 1, top_k -1 -> 0, an unset
+    repetition_penalty -> 1. Ranges are checked later, with the step (``StepRunner``)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
         top_k=max(msg.top_k, 0),
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else 1.0),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
     )
 
 
 def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
-    return generate_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                       seed=p.seed)
+    return generate_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs)
 
 
 def new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequestData:
@@ -97,7 +113,9 @@ def step_to_proto(step: StepInput) -> worker_pb2.StepRequest:
 def step_output_to_proto(out: StepOutput) -> worker_pb2.StepResponse:
     return worker_pb2.StepResponse(
         step_id=out.step_id,
-        sampled={k: worker_pb2.SampledTokens(token_ids=v) for k, v in out.sampled.items()},
+        sampled={k: worker_pb2.SampledTokens(
+            token_ids=v, logprobs=[_logprobs_to_proto(lp) for lp in out.logprobs.get(k, [])])
+            for k, v in out.sampled.items()},
         shm_resolved=out.shm_resolved, shm_acked=out.shm_acked, encoder_runs=out.encoder_runs,
     )
 
@@ -107,4 +125,15 @@ def step_output_from_proto(msg: worker_pb2.StepResponse) -> StepOutput:
         step_id=msg.step_id,
         sampled={k: list(v.token_ids) for k, v in msg.sampled.items()},
         shm_resolved=msg.shm_resolved, shm_acked=msg.shm_acked, encoder_runs=msg.encoder_runs,
+        logprobs={k: [_logprobs_from_proto(lp) for lp in v.logprobs]
+                  for k, v in msg.sampled.items() if v.logprobs},
     )
+
+
+def _logprobs_to_proto(lp: Logprobs) -> worker_pb2.SampledLogprobs:
+    return worker_pb2.SampledLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                                      top_logprobs=lp.top_logprobs)
+
+
+def _logprobs_from_proto(msg: worker_pb2.SampledLogprobs) -> Logprobs:
+    return Logprobs(msg.logprob, list(msg.top_token_ids), list(msg.top_logprobs))
