@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.delivery import DeliveryLedger
+from scheduler_svc.delivery import DeliveryLedger, LedgerStats
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.image_processor import ImageProcessorConfig
 from scheduler_svc.input_processor import InputProcessor
@@ -93,6 +93,8 @@ class Engine:
         self._step_id = 0
         self._failed_since_success = False  # an unexpected error, and no step succeeded since
         self._broken = False  # NOT_SERVING for good: the loop could not go on
+        self.errors = 0  # unexpected errors the loop caught
+        self.invariant_checks = 0  # passed, with TANDEM_DEBUG_INVARIANTS=1
         self.counters = SchedulerCounters()
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
@@ -202,6 +204,7 @@ class Engine:
             try:
                 await self._iterate()
             except Exception:
+                self.errors += 1
                 log.exception("unexpected error in the engine loop: failing every request")
                 if not self._recover():
                     return
@@ -252,6 +255,7 @@ class Engine:
             request.outputs.put_nowait(output)
         if self._debug_invariants:
             self.check_invariants()
+            self.invariant_checks += 1
         self._failed_since_success = False
 
     def _step_failed(self, out: SchedulerOutput, exc: StepFailed) -> None:
@@ -372,6 +376,9 @@ class Engine:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def ledger_stats(self) -> LedgerStats:
+        return self.ledger.stats() if self.ledger is not None else LedgerStats(0, 0, 0, 0)
 
     def cache_stats(self) -> generate_pb2.CacheStatsResponse:
         counters = self.cache.counters()

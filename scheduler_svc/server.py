@@ -107,7 +107,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
 
 def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
     """The scheduler's totals and gauges, read at scrape time (names: tandem.metrics)."""
-    stats, counters = engine.cache_stats(), engine.counters
+    stats, counters, ledger = engine.cache_stats(), engine.counters, engine.ledger_stats()
     refused = engine.cache.counters().refused
     return {
         "tandem_mm_cache_refused_total": {r: refused.get(r, 0) for r in ("oversize", "full")},
@@ -122,6 +122,11 @@ def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
         "tandem_shm_used_bytes": stats.shm_used_bytes,
         "tandem_shm_objects": stats.shm_objects,
         "tandem_shm_unacked_refs": stats.shm_unacked_refs,
+        "tandem_shm_ledger_refs": ledger.refs,
+        "tandem_shm_in_doubt_refs": ledger.in_doubt,
+        "tandem_shm_released_in_doubt_total": ledger.released_in_doubt,
+        "tandem_engine_errors_total": engine.errors,
+        "tandem_invariant_checks_total": engine.invariant_checks,
         "tandem_kv_blocks_total": stats.kv_blocks_total,
         "tandem_kv_blocks_free": stats.kv_blocks_free,
     }

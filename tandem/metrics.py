@@ -39,6 +39,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "tandem_shm_used_bytes": (GAUGE, "Segment bytes held by live objects"),
     "tandem_shm_objects": (GAUGE, "Objects in the segment"),
     "tandem_shm_unacked_refs": (GAUGE, "Segment references not yet acknowledged by every worker"),
+    "tandem_shm_ledger_refs":
+        (GAUGE, "Segment references the delivery ledger accounts for (held, in flight, in doubt)"),
+    "tandem_shm_in_doubt_refs":
+        (GAUGE, "Segment references whose delivery to some worker is unknown (its step failed)"),
+    "tandem_shm_released_in_doubt_total":
+        (COUNTER, "In-doubt segment references no worker acknowledged, released"),
+    "tandem_engine_errors_total":
+        (COUNTER, "Unexpected errors the engine loop caught (each failed the cell's requests)"),
+    "tandem_invariant_checks_total":
+        (COUNTER, "Whole-cell invariant checks passed (TANDEM_DEBUG_INVARIANTS=1, every step)"),
     "tandem_kv_blocks_total": (GAUGE, "KV blocks of the cell"),
     "tandem_kv_blocks_free": (GAUGE, "KV blocks free (cached-but-unreferenced included)"),
     "tandem_steps_total": (COUNTER, "Steps run by this worker"),

@@ -3,15 +3,20 @@
 Load: ``--concurrency`` client threads; each request takes one of a few shared prompt
 prefixes, 0-2 images drawn from a pool with Zipf-like reuse (image k has weight
 1/(k+1)^s), and a few output tokens; ``--cancel`` of the streams are cancelled by the client
-after a random number of messages. When ``--restart-at`` of the requests are done, the
-worker is killed with SIGKILL; ``tandem serve`` restarts it. Clients retry UNAVAILABLE with
-backoff, as a real client would.
+after a random number of messages. Two faults: when ``--stop-at`` of the requests are
+done, the worker is stopped (SIGSTOP) for ``--stop-for`` seconds, longer than the cell's
+step timeout, then continued (SIGCONT): alive all along, so its reader slot must not be
+touched while its timed-out step may still run; when ``--restart-at`` are done, it is
+killed with SIGKILL and ``tandem serve`` restarts it. Clients retry UNAVAILABLE with
+backoff, as a real client would. The cell runs with ``TANDEM_DEBUG_INVARIANTS=1``: after
+every step the delivery ledger is checked against the segment's counters.
 
 Pass criteria (exit status 1 otherwise), printed with every count:
 
-* zero unexpected statuses: OK, client CANCELLED, and UNAVAILABLE between the kill and the
+* zero unexpected statuses: OK, client CANCELLED, and UNAVAILABLE between a fault and the
   cell being ready again (plus a second) are the only ones allowed;
-* at the end, idle: ``shm_unacked_refs`` 0 and every KV block free;
+* at the end, idle: ``shm_unacked_refs`` 0 and equal to the ledger's references, every
+  KV block free, no error caught by the engine loop (a failed ledger check is one);
 * RSS flat after warm-up: the scheduler's RSS at the end is within ``--rss-slack`` of its
   RSS after the warm-up (the first ``--warmup`` of the requests), and the restarted
   worker's likewise from its own warm-up.
@@ -19,12 +24,15 @@ Pass criteria (exit status 1 otherwise), printed with every count:
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +58,12 @@ class SoakConfig:
     zipf: float = 1.1
     cancel: float = 0.05
     restart_at: float = 0.5  # fraction of requests done when the worker is killed; 0 = never
+    stop_at: float = 0.25  # fraction done when the worker is stopped (SIGSTOP); 0 = never
+    stop_for: float = 6.0  # seconds stopped; more than step_timeout
+    # The cell's --step-timeout: above the slowest step of this load on a loaded 2-core
+    # machine (a first batch of 16 prefills with images, or the step a stopped worker
+    # still runs after SIGCONT, which the next one waits behind; 2 s was too short).
+    step_timeout: float = 5.0
     warmup: float = 0.2  # fraction of requests before the first RSS reading
     max_tokens: int = 12
     rss_slack: float = 0.10  # allowed RSS growth after warm-up (fraction; at least 16 MiB)
@@ -64,6 +78,7 @@ class SoakReport:
     tokens: int = 0
     elapsed: float = 0.0
     restart_window: tuple[float, float] | None = None  # kill -> ready again (monotonic)
+    stop_window: tuple[float, float] | None = None  # SIGSTOP -> ready again (monotonic)
     rss: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # process -> readings
     end: dict[str, float] = field(default_factory=dict)  # final CacheStats and metrics
 
@@ -71,6 +86,12 @@ class SoakReport:
         out = list(self.unexpected)
         if self.end.get("shm_unacked_refs", 0) != 0:
             out.append(f"shm_unacked_refs {self.end['shm_unacked_refs']:.0f} at the end")
+        if self.end.get("shm_ledger_refs", 0) != self.end.get("shm_unacked_refs", 0):
+            out.append(f"ledger refs {self.end.get('shm_ledger_refs'):.0f} != shm_unacked_refs "
+                       f"{self.end.get('shm_unacked_refs'):.0f}")
+        if self.end.get("engine_errors_total", 0):
+            out.append(f"{self.end['engine_errors_total']:.0f} errors caught by the engine loop "
+                       "(a failed invariant check is one: see the cell log)")
         if self.end.get("kv_blocks_free") != self.end.get("kv_blocks_total"):
             out.append(f"KV blocks free {self.end.get('kv_blocks_free')} of "
                        f"{self.end.get('kv_blocks_total')} at the end")
@@ -96,8 +117,8 @@ class Soak:
         self._lock = threading.Lock()
         self._next = 0
         self._done = 0
-        self._killed = threading.Event()
-        self._restart: threading.Thread | None = None
+        self._faults: list[tuple[float, float | None]] = []  # (start, ready again) of each
+        self._threads: list[threading.Thread] = []
 
     def run(self) -> SoakReport:
         start = time.monotonic()
@@ -108,8 +129,8 @@ class Soak:
         for t in threads:
             t.join()
         self.report.elapsed = time.monotonic() - start
-        if self._restart is not None:
-            self._restart.join()
+        for t in self._threads:
+            t.join()
         self._read_rss("end")
         self.report.end = self._end_state()
         return self.report
@@ -163,18 +184,18 @@ class Soak:
         with self._lock:
             self.report.statuses[status] += 1
             self.report.tokens += tokens
-            if status == "UNAVAILABLE" and not self._in_restart_window():
-                self.report.unexpected.append(f"UNAVAILABLE outside the restart window at "
+            if status == "UNAVAILABLE" and not self._in_fault_window():
+                self.report.unexpected.append(f"UNAVAILABLE outside a fault window at "
                                               f"{time.monotonic():.1f}")
             elif status not in ("OK", "CANCELLED", "UNAVAILABLE"):
                 self.report.unexpected.append(status)
         return status != "UNAVAILABLE"
 
-    def _in_restart_window(self) -> bool:
-        window = self.report.restart_window
-        if not self._killed.is_set():
-            return False
-        return window is None or time.monotonic() <= window[1] + 1.0
+    def _in_fault_window(self) -> bool:
+        """Called under the lock: a fault started and its cell was ready again < 1 s ago."""
+        now = time.monotonic()
+        return any(begin <= now and (end is None or now <= end + 1.0)
+                   for begin, end in self._faults)
 
     def _finished(self) -> None:
         with self._lock:
@@ -183,33 +204,57 @@ class Soak:
         total = self.config.requests
         if done == max(1, int(total * self.config.warmup)):
             self._read_rss("warm")
-        if self.config.restart_at and done == int(total * self.config.restart_at):
-            self._restart = threading.Thread(target=self._restart_worker, name="soak-restart")
-            self._restart.start()
+        for at, fault in ((self.config.stop_at, self._stop_worker),
+                          (self.config.restart_at, self._restart_worker)):
+            if at and done == int(total * at):
+                thread = threading.Thread(target=fault, name=f"soak-{fault.__name__}")
+                self._threads.append(thread)
+                thread.start()
 
     # -- the fault ----------------------------------------------------------------------
 
-    def _restart_worker(self) -> None:
-        import os
-        import signal
-
+    def _stop_worker(self) -> None:
+        """SIGSTOP past the step timeout, then SIGCONT: a slow but live worker."""
         (pid,) = self.cell.worker_pids()
-        killed = time.monotonic()
-        self._killed.set()
+        index = self._fault_started()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.config.stop_for)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        self._wait_ready(lambda: True)
+        self.report.stop_window = self._fault_ended(index)
+
+    def _restart_worker(self) -> None:
+        (pid,) = self.cell.worker_pids()
+        index = self._fault_started()
         os.kill(pid, signal.SIGKILL)
-        while True:  # until the cell is ready again with a new worker
-            time.sleep(0.05)
-            try:
-                new = self.cell.worker_pids()
-                if new and new != [pid] and self.cell.health() == 1:
-                    break
-            except grpc.RpcError:
-                pass
-        with self._lock:
-            self.report.restart_window = (killed, time.monotonic())
+        self._wait_ready(lambda: (new := self.cell.worker_pids()) != [] and new != [pid])
+        self.report.restart_window = self._fault_ended(index)
         self.report.rss.pop("worker", None)  # a new process: its own warm-up reading
         time.sleep(2.0)
         self._read_rss("worker warm", only="worker")
+
+    def _fault_started(self) -> int:
+        with self._lock:
+            self._faults.append((time.monotonic(), None))
+            return len(self._faults) - 1
+
+    def _fault_ended(self, index: int) -> tuple[float, float]:
+        with self._lock:
+            begin, _ = self._faults[index]
+            self._faults[index] = (begin, time.monotonic())
+            return self._faults[index]  # type: ignore[return-value]
+
+    def _wait_ready(self, worker_ok: Callable[[], bool]) -> None:
+        """Until the cell is ready again (and ``worker_ok``: e.g. a new worker process)."""
+        while True:
+            time.sleep(0.05)
+            try:
+                if worker_ok() and self.cell.health() == 1:
+                    return
+            except grpc.RpcError:
+                pass
 
     # -- readings -----------------------------------------------------------------------
 
@@ -251,9 +296,10 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def cell_flags(metrics_port: int) -> tuple[str, ...]:
+def cell_flags(metrics_port: int, config: SoakConfig) -> tuple[str, ...]:
     return ("--kv-cache-size", "2Mi", "--mm-cache-size", "4Mi", "--metrics-port",
-            str(metrics_port), "--log-level", "WARNING")
+            str(metrics_port), "--step-timeout", str(config.step_timeout),
+            "--log-level", "WARNING")
 
 
 def print_report(report: SoakReport, config: SoakConfig) -> list[str]:
@@ -264,10 +310,17 @@ def print_report(report: SoakReport, config: SoakConfig) -> list[str]:
           f"{config.requests / report.elapsed:.1f} req/s, {report.tokens / report.elapsed:.0f} "
           f"tokens/s")
     print("statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(report.statuses.items())))
+    if report.stop_window:
+        a, b = report.stop_window
+        print(f"worker stopped (SIGSTOP) at {config.stop_at:.0%} of the requests for "
+              f"{config.stop_for:.1f} s (step timeout {config.step_timeout:.1f} s); ready again "
+              f"after {b - a:.1f} s")
     if report.restart_window:
         a, b = report.restart_window
         print(f"worker killed at {config.restart_at:.0%} of the requests; ready again after "
-              f"{b - a:.1f} s; worker losses {e.get('worker_losses_total', 0):.0f}")
+              f"{b - a:.1f} s")
+    print(f"worker losses {e.get('worker_losses_total', 0):.0f}; in-doubt references released "
+          f"{e.get('shm_released_in_doubt_total', 0):.0f}")
     print(f"images: {e.get('mm_cache_hits_total', 0):.0f} cache hits, "
           f"{e.get('mm_cache_misses_total', 0):.0f} misses, refused inline "
           f"{e.get('mm_cache_refused_total_full', 0):.0f} full / "
@@ -276,9 +329,13 @@ def print_report(report: SoakReport, config: SoakConfig) -> list[str]:
     print(f"prefix cache: {e.get('prefix_cache_hit_tokens_total', 0):.0f} of "
           f"{e.get('prompt_tokens_total', 0):.0f} prompt tokens; preemptions "
           f"{e.get('preemptions_total', 0):.0f}")
-    print(f"end state: shm_unacked_refs {e.get('shm_unacked_refs', -1):.0f}, KV blocks free "
-          f"{e.get('kv_blocks_free', -1):.0f} of {e.get('kv_blocks_total', -1):.0f}, segment "
-          f"{e.get('shm_objects', 0):.0f} objects / {e.get('shm_used_bytes', 0) / MiB:.1f} MiB")
+    print(f"end state: shm_unacked_refs {e.get('shm_unacked_refs', -1):.0f}, ledger refs "
+          f"{e.get('shm_ledger_refs', -1):.0f} ({e.get('shm_in_doubt_refs', -1):.0f} in doubt), "
+          f"KV blocks free {e.get('kv_blocks_free', -1):.0f} of "
+          f"{e.get('kv_blocks_total', -1):.0f}, segment {e.get('shm_objects', 0):.0f} objects / "
+          f"{e.get('shm_used_bytes', 0) / MiB:.1f} MiB")
+    print(f"ledger check after every step: {e.get('invariant_checks_total', 0):.0f} passed, "
+          f"engine errors {e.get('engine_errors_total', 0):.0f}")
     for name, readings in report.rss.items():
         print(f"RSS {name}: " + ", ".join(f"{label} {rss / MiB:.0f} MiB"
                                           for label, rss in readings))

@@ -127,7 +127,7 @@ def test_an_unexpected_error_fails_the_requests_then_health(worker, monkeypatch)
                         generate(e, request("Text only", max_tokens=4, ignore_eos=True)), 20)
                 assert err.value.code == grpc.StatusCode.INTERNAL
                 assert "internal error" in err.value.message
-            assert not e.serving
+            assert not e.serving and e.errors == 2
             with pytest.raises(Unavailable):
                 await generate(e, request("Text only", max_tokens=4))
             corrupt_ack(shm, 1)
