@@ -42,15 +42,12 @@ class SchedulerServer:
     metrics: MetricsEndpoint | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
-        """Health NOT_SERVING -> refuse new calls, let in-flight ones finish (up to
-        ``grace``) -> abort the rest -> close worker channels -> unlink the segment ->
-        stop serving metrics."""
-        await self.grpc.health.enter_graceful_shutdown()
-        stopping = self.grpc.server.stop(grace)
-        if self.grpc.probes is not None:
-            await self.grpc.probes.stop()
+        """Health NOT_SERVING and new calls refused at once -> running streams finish while
+        the engine keeps stepping (up to ``grace``; the rest are cancelled, which aborts
+        their requests) -> close the health-only port -> stop the engine -> close worker
+        channels -> unlink the segment -> stop serving metrics."""
+        await self.grpc.stop(grace)
         await self.engine.stop()
-        await stopping
         await self.workers.close()
         self.cache.close()
         if self.metrics is not None:

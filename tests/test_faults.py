@@ -1,5 +1,6 @@
 """Faults of a local cell (``tandem serve``, real processes): client deadlines, a worker
-killed with SIGKILL in the middle of streams, and a worker killed while the cell is idle.
+killed with SIGKILL in the middle of streams, a worker killed while the cell is idle, and
+SIGTERM (how Kubernetes stops a pod) while a stream runs.
 
 What must hold: every client gets tokens or a clear status within a bounded time, health
 follows the worker, the supervisor restarts it, serving resumes with the same greedy
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem_testing.cells import Cell, png, request, running_cell
+from tandem.v1 import generate_pb2
+from tandem_testing.cells import SERVICE, Cell, free_port, png, request, running_cell
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -148,3 +150,34 @@ def test_worker_killed_while_idle_is_noticed(cell: Cell, reference) -> None:
     _assert_clean(cell)
     log = (Path(cell.shm_dir).parent / "cell.log").read_text()
     assert "restarting" in log, log[-2000:]
+
+
+def test_sigterm_lets_a_running_stream_finish_within_the_grace(tmp_path: Path) -> None:
+    """Fault 5 of issue 13: SIGTERM stops admitting at once (readiness NOT_SERVING on the
+    probe port, new calls UNAVAILABLE) but the running stream finishes within the grace."""
+    probes = free_port()
+    with running_cell(tmp_path, "--health-listen", f"127.0.0.1:{probes}") as cell, \
+            grpc.insecure_channel(f"127.0.0.1:{probes}") as channel:
+        readiness = health_pb2_grpc.HealthStub(channel)
+
+        def ready() -> int:
+            return readiness.Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                   timeout=5).status
+
+        assert ready() == SERVING
+        stream = cell.stub.Generate(request("Keep going <image>", [png(40)], max_tokens=120,
+                                            ignore_eos=True), timeout=60)
+        tokens = len(next(stream).token_ids)
+        cell.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        while ready() != NOT_SERVING:
+            assert time.monotonic() < deadline, "readiness still SERVING after SIGTERM"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as err:
+            cell.generate("Too late", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = None
+        for last in stream:
+            tokens += len(last.token_ids)
+        assert tokens == 120 and last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert cell.proc.wait(30) == 0
