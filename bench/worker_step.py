@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.feature_codec import item_to_parts
 from tandem.features import MultiModalKwargsItem
 from tandem.shm import ShmWriter
-from tandem.tokenizer import BOS_ID
+from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2_grpc
 from tandem_testing.scripted import (
     ScriptedRequest,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from scheduler_svc.image_processor import ImageProcessorConfig
 from tandem.tls import TlsFiles
 
 
@@ -34,8 +35,8 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     encoder_cache_embeds: int = 4096  # worker encoder-cache capacity, in embeddings
-    min_pixels: int = 56 * 56
-    max_pixels: int = 448 * 448
+    min_pixels: int = 0  # images are resized into this range; 0 = the model's
+    max_pixels: int = 0
     step_timeout_s: float = 60.0
     metrics_port: int = 0
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
@@ -46,10 +47,25 @@ class SchedulerConfig:
     def num_workers(self) -> int:
         return len(self.worker_addresses)
 
+    def image_processor(self, model: ImageProcessorConfig) -> ImageProcessorConfig:
+        """The model's image processing under this config's limits.
+
+        ``--min-pixels`` / ``--max-pixels`` win when set. Otherwise the model's range holds,
+        its top lowered to the largest image one step and the encoder cache can take (a
+        Qwen2-VL checkpoint allows 1280-token images; the default step budget is 512).
+        """
+        self.check_image_budget(model.factor)
+        largest = min(self.encoder_cache_embeds, self.max_num_batched_tokens) * model.factor**2
+        max_pixels = self.max_pixels or min(model.max_pixels, largest)
+        min_pixels = self.min_pixels or min(model.min_pixels, max_pixels)
+        return replace(model, min_pixels=min_pixels, max_pixels=max_pixels,
+                       max_image_bytes=self.limits.max_image_bytes,
+                       max_image_pixels=self.limits.max_image_pixels)
+
     def check_image_budget(self, factor: int) -> None:
         """The largest image (``factor`` pixels per merged-patch side) must fit one step's
         encoder budget and the encoder cache, or a request carrying it would never run."""
-        largest = self.max_pixels // factor**2
+        largest = self.max_pixels // factor**2  # 0: the model's range, lowered to fit
         if largest > min(self.encoder_cache_embeds, self.max_num_batched_tokens):
             raise ValueError(
                 f"--max-pixels {self.max_pixels} allows images of {largest} tokens, more than "

@@ -40,6 +40,7 @@ from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.shm import ShmError
+from tandem.text import HFTokenizer, Tokenizer, load_tokenizer
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,18 @@ _RECONNECT_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
+    """What the scheduler learns from the workers' Describe (docs/models.md lists the keys)."""
+
     name: str
+    model_type: str  # "tandem" for the built-in models
     uses_mrope: bool
     patch_size: int
     merge_size: int
     num_kv_blocks: int
     block_size: int
     max_seq_len: int  # positions the model supports: prompt + outputs must fit
+    vocab_size: int  # embedding rows
+    image_token_id: int | None  # None: the model takes no images
 
 
 def _internal() -> TandemError:
@@ -99,6 +105,11 @@ class Engine:
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
         self.model: ModelInfo | None = None
+        # The scheduler's own model files, read before waiting for any worker, so a bad
+        # tokenizer or chat template fails the start at once and by name.
+        self.tokenizer = load_tokenizer(config.model)
+        self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
+                        if isinstance(self.tokenizer, HFTokenizer) else None)
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
         self.ledger: DeliveryLedger | None = None
@@ -110,13 +121,12 @@ class Engine:
             raise RuntimeError(f"workers use block size {self.model.block_size}, the scheduler "
                                f"{self.config.block_size}: configure both the same")
         c = self.config
-        images = ImageProcessorConfig(
-            patch_size=self.model.patch_size, merge_size=self.model.merge_size,
-            min_pixels=c.min_pixels, max_pixels=c.max_pixels,
-            max_image_bytes=c.limits.max_image_bytes, max_image_pixels=c.limits.max_image_pixels)
-        c.check_image_budget(images.factor)
+        _check_tokenizer(self.tokenizer, self.model, c.model)
+        images = c.image_processor(self._images or ImageProcessorConfig(
+            patch_size=self.model.patch_size, merge_size=self.model.merge_size))
         max_tokens = min(self.model.num_kv_blocks * c.block_size, self.model.max_seq_len)
-        self.inputs = InputProcessor(c.limits, images, max_tokens)
+        self.inputs = InputProcessor(c.limits, images, max_tokens, self.tokenizer,
+                                     self.model.vocab_size)
         self.ledger = DeliveryLedger(self.cache, self.inputs.process, self._offload,
                                      self._redelivered)
         self._reset_state()
@@ -417,7 +427,23 @@ def _model_info(describes: Sequence[worker_pb2.DescribeResponse]) -> ModelInfo:
     if ranks != list(range(len(describes))):
         raise RuntimeError(f"worker ranks {ranks} are not 0..{len(describes) - 1}")
     return ModelInfo(
-        name=first.model, uses_mrope=cfg.get("position_scheme") == "mrope",
+        name=first.model, model_type=str(cfg.get("model_type", "tandem")),
+        uses_mrope=cfg.get("position_scheme") == "mrope",
         patch_size=int(cfg.get("patch_size", 14)), merge_size=int(cfg.get("merge_size", 2)),
         num_kv_blocks=min(d.num_kv_blocks for d in describes), block_size=first.block_size,
-        max_seq_len=int(cfg.get("max_seq_len", 1 << 30)))
+        max_seq_len=int(cfg.get("max_seq_len", 1 << 30)), vocab_size=int(cfg["vocab_size"]),
+        image_token_id=cfg.get("image_token_id"))
+
+
+def _check_tokenizer(tokenizer: Tokenizer, model: ModelInfo, model_dir: str) -> None:
+    """The scheduler's tokenizer and the workers' model must agree, or ids would be read as
+    other tokens (or index past the embedding table)."""
+    if tokenizer.vocab_size > model.vocab_size:
+        raise InvalidInput(
+            f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids but the model's "
+            f"embedding has {model.vocab_size} rows (config.json 'vocab_size')", "BAD_MODEL")
+    pad = tokenizer.image.pad_id if tokenizer.image is not None else None
+    if pad != model.image_token_id:
+        raise InvalidInput(
+            f"{model_dir}: the tokenizer's image placeholder id is {pad} but config.json's "
+            f"'image_token_id' is {model.image_token_id}", "BAD_MODEL")

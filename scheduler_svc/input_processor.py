@@ -1,6 +1,9 @@
-"""GenerateRequest -> Request: validate and tokenize; how images are turned into items.
+"""GenerateRequest -> Request: validate, render, tokenize; how images are turned into items.
 
-The checks run in the order a user fixes things (prompt, images, sampling), each failing
+A request is a plain ``prompt`` (tokenized as is, images at the model's placeholders) or
+chat ``messages`` (rendered with the model's chat template, images where their content
+parts stand). The checks run in the order a user fixes things (prompt, images, sampling),
+each failing
 with :class:`~tandem.errors.InvalidInput` and a message naming the limit. The token count
 of an image comes from its header alone, so a processor-cache hit costs no decoding: the
 delivery ledger (:mod:`scheduler_svc.delivery`) calls :meth:`InputProcessor.process` only
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +31,6 @@ from scheduler_svc.image_processor import (
 )
 from scheduler_svc.request import Request, Sampling
 from scheduler_svc.request_trace import RequestTrace
-from tandem import tokenizer
 from tandem.errors import InvalidInput
 from tandem.feature_codec import tensor_from_proto
 from tandem.features import (
@@ -35,6 +38,15 @@ from tandem.features import (
     MultiModalFeatureSpec,
     MultiModalKwargsItem,
     PlaceholderRange,
+)
+from tandem.text import (
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    TextPart,
+    Tokenizer,
+    encode_chat,
+    expand_images,
 )
 from tandem.v1 import generate_pb2
 
@@ -47,10 +59,13 @@ class _Image:
 
 
 class InputProcessor:
-    def __init__(self, limits: Limits, images: ImageProcessorConfig, max_model_tokens: int) -> None:
+    def __init__(self, limits: Limits, images: ImageProcessorConfig, max_model_tokens: int,
+                 tokenizer: Tokenizer, vocab_size: int) -> None:
         self.limits = limits
         self.images = images
         self.max_model_tokens = max_model_tokens  # prompt + outputs must fit the KV pool
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's embedding rows (>= the tokenizer's ids)
 
     def to_request(self, msg: generate_pb2.GenerateRequest,
                    trace: RequestTrace | None = None) -> Request:
@@ -60,8 +75,12 @@ class InputProcessor:
         processed); decoding and processing happen only on a processor-cache miss.
         """
         sampling = self.sampling(msg)
-        prompt_ids, images = self._prompt_and_images(msg)
-        token_ids, features = self._expand(prompt_ids, images)
+        prompt_ids, media = self._prompt(msg)
+        images = [self._image(i, m, msg.cache_salt) for i, m in enumerate(media)]
+        token_ids, spans = expand_images(prompt_ids, self.tokenizer.image,
+                                         [im.num_tokens for im in images])
+        features = [MultiModalFeatureSpec(im.key, "image", PlaceholderRange(*span), None)
+                    for im, span in zip(images, spans, strict=True)]
         if len(token_ids) > self.limits.max_prompt_tokens:
             raise InvalidInput(f"prompt is {len(token_ids)} tokens with images expanded; the "
                                f"limit is {self.limits.max_prompt_tokens}", "PROMPT_TOO_LONG")
@@ -72,7 +91,7 @@ class InputProcessor:
         return Request(
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
-            cache_salt=msg.cache_salt, media=list(msg.images), trace=trace,
+            cache_salt=msg.cache_salt, media=media, trace=trace,
         )
 
     def sampling(self, msg: generate_pb2.GenerateRequest) -> Sampling:
@@ -89,13 +108,13 @@ class InputProcessor:
         if s.top_k < -1:
             raise InvalidInput(f"top_k must be >= -1 (0 or -1 disable it), got {s.top_k}",
                                "BAD_SAMPLING")
-        bad_stop = [t for t in s.stop_token_ids if t >= tokenizer.VOCAB_SIZE]
+        bad_stop = [t for t in s.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidInput(f"stop_token_ids {bad_stop} are outside the vocabulary of "
-                               f"{tokenizer.VOCAB_SIZE}", "BAD_SAMPLING")
+                               f"{self.vocab_size}", "BAD_SAMPLING")
         return Sampling(max_tokens, s.temperature, top_p, max(s.top_k, 0),
                         s.seed if s.HasField("seed") else None, frozenset(s.stop_token_ids),
-                        s.ignore_eos)
+                        s.ignore_eos, frozenset(self.tokenizer.special.eos_ids))
 
     def process(self, media: generate_pb2.MediaItem) -> MultiModalKwargsItem:
         """Decode and process one image (CPU-heavy: call through the offload)."""
@@ -107,20 +126,27 @@ class InputProcessor:
             "image_grid_thw": FieldElem(grid, keep_on_cpu=True),
         })
 
-    def _prompt_and_images(
-        self, msg: generate_pb2.GenerateRequest
-    ) -> tuple[list[int], list[_Image]]:
-        if not msg.prompt:
-            raise InvalidInput("prompt is empty", "EMPTY_PROMPT")
-        markers = tokenizer.count_image_markers(msg.prompt)
-        if len(msg.images) > self.limits.max_images:
-            raise InvalidInput(f"{len(msg.images)} images; the limit is "
+    def _prompt(self, msg: generate_pb2.GenerateRequest,
+                ) -> tuple[list[int], list[generate_pb2.MediaItem]]:
+        """The prompt's token ids (image placeholders not yet expanded) and its images."""
+        if msg.prompt and msg.messages:
+            raise InvalidInput("the request sets both prompt and messages; send one of them",
+                               "PROMPT_AND_MESSAGES")
+        if msg.messages:
+            if msg.images:
+                raise InvalidInput("with messages, images go in the messages' content parts, "
+                                   "not in images", "IMAGES_OUTSIDE_MESSAGES")
+            messages, media = _chat(msg.messages)
+        elif msg.prompt:
+            media = list(msg.images)
+        else:
+            raise InvalidInput("the request has neither a prompt nor messages", "EMPTY_PROMPT")
+        if len(media) > self.limits.max_images:
+            raise InvalidInput(f"{len(media)} images; the limit is "
                                f"{self.limits.max_images} per request", "TOO_MANY_IMAGES")
-        if markers != len(msg.images):
-            raise InvalidInput(f"the prompt has {markers} {tokenizer.IMAGE_MARKER} markers but "
-                               f"{len(msg.images)} images were sent", "IMAGE_COUNT_MISMATCH")
-        images = [self._image(i, m, msg.cache_salt) for i, m in enumerate(msg.images)]
-        return tokenizer.encode(msg.prompt), images
+        if msg.messages:
+            return encode_chat(self.tokenizer, messages), media
+        return self.tokenizer.encode(msg.prompt), media
 
     def _image(self, index: int, media: generate_pb2.MediaItem, salt: str) -> _Image:
         kind = media.WhichOneof("data")
@@ -139,21 +165,28 @@ class InputProcessor:
         merge = self.images.merge_size * self.images.patch_size
         return _Image(key, (h // merge) * (w // merge), media)
 
-    @staticmethod
-    def _expand(prompt_ids: list[int], images: list[_Image]
-                ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
-        """Replace each IMAGE placeholder by the image's token count; one feature each."""
-        token_ids: list[int] = []
-        features: list[MultiModalFeatureSpec] = []
-        for t in prompt_ids:
-            if t != tokenizer.IMAGE_ID:
-                token_ids.append(t)
-                continue
-            im = images[len(features)]
-            pos = PlaceholderRange(len(token_ids), im.num_tokens)
-            features.append(MultiModalFeatureSpec(im.key, "image", pos, None))
-            token_ids.extend([tokenizer.IMAGE_ID] * im.num_tokens)
-        return token_ids, features
+
+def _chat(messages: Sequence[generate_pb2.ChatMessage],
+          ) -> tuple[list[ChatMessage], list[generate_pb2.MediaItem]]:
+    """The conversation for the chat template, and its images in order."""
+    turns: list[ChatMessage] = []
+    media: list[generate_pb2.MediaItem] = []
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidInput(f"message {i} has no role", "BAD_MESSAGE")
+        parts: list[ContentPart] = []
+        for j, part in enumerate(m.content):
+            kind = part.WhichOneof("part")
+            if kind is None:
+                raise InvalidInput(f"message {i} content part {j} is neither text nor an image",
+                                   "BAD_MESSAGE")
+            if kind == "image":
+                media.append(part.image)
+                parts.append(ImagePart())
+            else:
+                parts.append(TextPart(part.text))
+        turns.append(ChatMessage(m.role, tuple(parts)))
+    return turns, media
 
 
 def _header_size(data: bytes, cfg: ImageProcessorConfig) -> tuple[int, int]:

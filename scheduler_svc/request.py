@@ -30,6 +30,7 @@ class Sampling:
     seed: int | None
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    eos_token_ids: frozenset[int]  # the model's end-of-sequence ids (from its files)
 
     def to_proto(self) -> generate_pb2.SamplingParams:
         msg = generate_pb2.SamplingParams(

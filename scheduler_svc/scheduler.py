@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, Status, StepOutput
-from tandem import tokenizer
 from tandem.v1 import generate_pb2
 
 log = logging.getLogger(__name__)
@@ -358,7 +357,7 @@ def _apply_stop(request: Request, new: list[int]) -> tuple[list[int], int]:
     """Truncate ``new`` at the first stop condition; the finish reason (or UNSPECIFIED)."""
     s = request.sampling
     for i, token in enumerate(new):
-        if (token == tokenizer.EOS_ID and not s.ignore_eos) or token in s.stop_token_ids:
+        if (token in s.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
             return new[: i + 1], generate_pb2.FINISH_REASON_STOP
         if request.num_output_tokens + i + 1 >= s.max_tokens:
             return new[: i + 1], generate_pb2.FINISH_REASON_LENGTH

@@ -10,7 +10,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.request import Request, StepOutput
 from scheduler_svc.request_telemetry import RequestTelemetry
 from tandem.metrics import RequestLatency
-from tandem.tokenizer import IncrementalDecoder
+from tandem.text import IncrementalDecoder
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 
@@ -24,7 +24,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        decoder = IncrementalDecoder()
+        decoder = self.engine.tokenizer.incremental_decoder()
         first = True
         model = self.engine.model.name if self.engine.model is not None else "unknown"
         with RequestTelemetry(model, request, self.latency) as telemetry:

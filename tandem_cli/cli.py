@@ -84,10 +84,11 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-cache-size", type=int,
                    default=int(_env("ENCODER_CACHE_SIZE", "4096")),
                    help="image embeddings the workers keep encoded (must hold the largest image)")
-    p.add_argument("--min-pixels", type=int, default=int(_env("MIN_PIXELS", str(56 * 56))),
-                   help="images are resized to at least this many pixels")
-    p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", str(448 * 448))),
-                   help="... and at most this many (256 image tokens at the default)")
+    p.add_argument("--min-pixels", type=int, default=int(_env("MIN_PIXELS", "0")),
+                   help="images are resized to at least this many pixels (0 = the model's)")
+    p.add_argument("--max-pixels", type=int, default=int(_env("MAX_PIXELS", "0")),
+                   help="... and at most this many (0 = the model's, at most what one step and "
+                   "the encoder cache hold; built-in models: 448x448, 256 image tokens)")
     p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", "60")),
                    help="seconds a worker may take for one step before it counts as lost")
     _add_limit_flags(p)

@@ -12,11 +12,18 @@ import grpc
 from tandem.tls import TlsFiles, channel_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
+IMAGE_MARKER = "<image>"  # where --image files go in the prompt (the built-in models' marker)
+
 
 def add_client_commands(sub: argparse._SubParsersAction, default_target: str) -> None:
     p = sub.add_parser("generate", help="stream one Generate call and print usage")
-    p.add_argument("prompt", help='prompt text; each "<image>" takes the next --image')
+    p.add_argument("prompt", help='prompt text; each "<image>" takes the next --image (with '
+                   "--chat, for any model; without it, the model's own image marker)")
     p.add_argument("--image", action="append", default=[], type=Path, help="PNG or JPEG file")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user turn, rendered with the model's chat "
+                   "template (images where the prompt says <image>, else before the text)")
+    p.add_argument("--system", default="", help="with --chat: a system message first")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -53,17 +60,39 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
     prompt = args.prompt
-    if args.image and "<image>" not in prompt:
-        prompt = "<image>" * len(args.image) + prompt  # images first when not placed
-    msg = generate_pb2.GenerateRequest(prompt=prompt, cache_salt=args.cache_salt)
-    for path in args.image:
-        msg.images.add(encoded=path.read_bytes())
+    if args.image and IMAGE_MARKER not in prompt:
+        prompt = IMAGE_MARKER * len(args.image) + prompt  # images first when not placed
+    msg = generate_pb2.GenerateRequest(cache_salt=args.cache_salt)
+    if args.chat:
+        if args.system:
+            msg.messages.add(role="system").content.add(text=args.system)
+        msg.messages.append(chat_turn("user", prompt, [p.read_bytes() for p in args.image]))
+    else:
+        if args.system:
+            raise SystemExit("error: --system needs --chat")
+        msg.prompt = prompt
+        for path in args.image:
+            msg.images.add(encoded=path.read_bytes())
     msg.sampling.temperature = args.temperature
     if args.max_tokens is not None:
         msg.sampling.max_tokens = args.max_tokens
     if args.seed is not None:
         msg.sampling.seed = args.seed
     return msg
+
+
+def chat_turn(role: str, text: str, images: list[bytes]) -> generate_pb2.ChatMessage:
+    """One message whose content is ``text`` split at each ``<image>``, the images between."""
+    if text.count(IMAGE_MARKER) != len(images):
+        raise SystemExit(f"error: {text.count(IMAGE_MARKER)} {IMAGE_MARKER} in the prompt but "
+                         f"{len(images)} --image files")
+    turn = generate_pb2.ChatMessage(role=role)
+    for i, piece in enumerate(text.split(IMAGE_MARKER)):
+        if i:
+            turn.content.add(image=generate_pb2.MediaItem(encoded=images[i - 1]))
+        if piece:
+            turn.content.add(text=piece)
+    return turn
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

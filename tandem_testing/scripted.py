@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
-from tandem.tokenizer import BOS_ID, IMAGE_ID
+from tandem.text.byte_tokenizer import BOS_ID, IMAGE_ID
 from worker_svc.model_config import ModelConfig
 from worker_svc.request_state import IMAGE_GRID_THW
 from worker_svc.step import (

@@ -24,7 +24,8 @@ KiB = 1024
 def _request(rid: str, keys: list[str]) -> Request:
     features = [MultiModalFeatureSpec(k, "image", PlaceholderRange(i * 10, 4), None)
                 for i, k in enumerate(keys)]
-    return Request(rid, [0] * 40, 40, features, Sampling(1, 0.0, 1.0, 0, None, frozenset(), False),
+    sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
+    return Request(rid, [0] * 40, 40, features, sampling,
                    cache_salt="", media=[generate_pb2.MediaItem(uuid=k) for k in keys])
 
 

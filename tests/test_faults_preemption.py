@@ -44,7 +44,7 @@ NUM_BLOCKS = 20
 
 def _request(rid: str, image: tuple, text: str, max_tokens: int) -> Request:
     tokens, features = synthetic_prompt(CONFIG, [f"Look {text}: ", " then answer."], [image])
-    sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), True)
+    sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), True, frozenset())
     return Request(rid, tokens, len(tokens), list(features), sampling, cache_salt="")
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from tandem.features import MultiModalFeatureSpec, PlaceholderRange
-from tandem.tokenizer import IMAGE_ID
+from tandem.text.byte_tokenizer import IMAGE_ID
 
 
 def _feature(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:

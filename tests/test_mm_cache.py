@@ -40,7 +40,7 @@ def _request(rid: str, keys: list[str], spans: list[tuple[int, int]] | None = No
     spans = spans or [(i * 10, 4) for i in range(len(keys))]
     features = [MultiModalFeatureSpec(k, "image", PlaceholderRange(*s), None)
                 for k, s in zip(keys, spans, strict=True)]
-    sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False)
+    sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, [0] * 40, 40, features, sampling, cache_salt="",
                    media=[generate_pb2.MediaItem(uuid=k) for k in keys])
 

@@ -11,8 +11,8 @@ from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
-from tandem import tokenizer
 from tandem.features import MultiModalFeatureSpec, PlaceholderRange
+from tandem.text import byte_tokenizer as tokenizer
 from tandem.v1 import generate_pb2
 
 BLOCK = 4
@@ -25,7 +25,8 @@ def _request(rid: str, image: str | None = "img", max_tokens: int = 3, text: int
         features.append(MultiModalFeatureSpec(image, "image", PlaceholderRange(3, 4), None))
         tokens += [tokenizer.IMAGE_ID] * 4
     tokens += list(range(20, 20 + text))
-    sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), False)
+    sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), False,
+                        frozenset({tokenizer.EOS_ID}))
     return Request(rid, tokens, len(tokens), features, sampling, cache_salt="")
 
 

@@ -19,9 +19,9 @@ from text_checkpoints import (
 )
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from tandem import tokenizer as byte_vocab
 from tandem.errors import InvalidInput
 from tandem.text import ByteTokenizer, HFTokenizer, expand_images, load_tokenizer
+from tandem.text import byte_tokenizer as byte_vocab
 
 MIXED_TEXTS = [
     "Hello, world! What's the capital of France?",
@@ -120,7 +120,8 @@ def test_byte_tokenizer_behind_the_interface() -> None:
     assert tok.special.bos_id == byte_vocab.BOS_ID and tok.special.eos_ids == (byte_vocab.EOS_ID,)
     assert tok.image is not None and tok.image.marker == "<image>"
     ids = tok.encode("hé <image>!")
-    assert ids == byte_vocab.encode("hé <image>!")  # the built-in models' ids are unchanged
+    # The built-in models' ids: BOS, UTF-8 bytes, one IMAGE id per <image>.
+    assert ids == [byte_vocab.BOS_ID, *"hé ".encode(), byte_vocab.IMAGE_ID, ord("!")]
     assert tok.encode("x", add_special_tokens=False) == [ord("x")]
     expanded, spans = expand_images(ids, tok.image, [3])
     assert spans == [(5, 3)] and expanded[5:8] == [byte_vocab.IMAGE_ID] * 3

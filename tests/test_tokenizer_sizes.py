@@ -1,4 +1,4 @@
-"""Byte tokenizer, incremental UTF-8 decoding, and size parsing."""
+"""The built-in models' byte tokenizer, its incremental UTF-8 decoding, and size parsing."""
 
 from __future__ import annotations
 
@@ -6,26 +6,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem import tokenizer
 from tandem.sizes import parse_size
+from tandem.text import byte_tokenizer as tokenizer
 
 
 def test_encode_marks_images_and_starts_with_bos() -> None:
-    assert tokenizer.encode("a<image>b") == [tokenizer.BOS_ID, 97, tokenizer.IMAGE_ID, 98]
-    assert tokenizer.count_image_markers("<image><image>x") == 2
+    tok = tokenizer.ByteTokenizer()
+    assert tok.encode("a<image>b") == [tokenizer.BOS_ID, 97, tokenizer.IMAGE_ID, 98]
+    assert tok.encode("<image><image>x").count(tok.image.pad_id) == 2
 
 
 @given(st.text(), st.integers(min_value=1, max_value=7))
 def test_incremental_decoding_never_splits_characters(text: str, chunk: int) -> None:
     data = [*text.encode("utf-8"), tokenizer.EOS_ID]
-    decoder = tokenizer.IncrementalDecoder()
+    decoder = tokenizer.ByteTokenizer().incremental_decoder()
     pieces = [decoder.feed(data[i : i + chunk]) for i in range(0, len(data), chunk)]
     assert "".join(pieces) + decoder.flush() == text
     assert all("\ufffd" not in p for p in pieces if "\ufffd" not in text)
 
 
 def test_incomplete_tail_is_flushed_as_replacement() -> None:
-    decoder = tokenizer.IncrementalDecoder()
+    decoder = tokenizer.ByteTokenizer().incremental_decoder()
     assert decoder.feed([0xE2, 0x82]) == ""
     assert decoder.flush() == "\ufffd"
 

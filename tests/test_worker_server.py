@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.tokenizer import BOS_ID
+from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
 from worker_svc.server import SERVICE_NAME, create_server, shutdown

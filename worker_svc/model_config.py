@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tandem.errors import InvalidInput
-from tandem.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PAD_ID, VOCAB_SIZE
+from tandem.text.byte_tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PAD_ID, VOCAB_SIZE
 from worker_svc.hf_config import hf_config_fields
 
 PositionScheme = Literal["rope", "mrope"]

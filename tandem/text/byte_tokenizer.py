@@ -1,18 +1,27 @@
 """:class:`~tandem.text.tokenizer.Tokenizer` of the built-in presets: UTF-8 bytes plus four ids.
 
-The vocabulary and the ``<image>`` rule are :mod:`tandem.tokenizer`'s (the model's
-embedding table is sized from it); this class puts them behind the common interface and
-gives the presets a small chat template, so ``messages`` requests work on them too.
+Token ids 0..255 are the UTF-8 bytes themselves; the special tokens follow (the built-in
+models' embedding tables are sized from ``VOCAB_SIZE``). The literal text ``<image>`` in a
+prompt is not tokenized as bytes: it becomes one IMAGE placeholder, which the scheduler
+then expands to the image's embedding count. The presets also get a small chat template,
+so ``messages`` requests work on them too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem import tokenizer as byte_vocab
 from tandem.text.chat_template import ChatMessage, ChatTemplate
 from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
 from tandem.text.tokenizer import ImageTokens, SpecialTokens
+
+NUM_BYTE_TOKENS = 256
+PAD_ID = 256
+BOS_ID = 257
+EOS_ID = 258
+IMAGE_ID = 259
+VOCAB_SIZE = 260
+IMAGE_MARKER = "<image>"
 
 # One line per message, "role: content", images as the <image> marker.
 BUILTIN_CHAT_TEMPLATE = (
@@ -22,31 +31,35 @@ BUILTIN_CHAT_TEMPLATE = (
     "{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
-_NAMES = {byte_vocab.PAD_ID: "<pad>", byte_vocab.BOS_ID: "<bos>", byte_vocab.EOS_ID: "<eos>",
-          byte_vocab.IMAGE_ID: byte_vocab.IMAGE_MARKER}
+_NAMES = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>",
+          IMAGE_ID: IMAGE_MARKER}
 
 
 class ByteTokenizer:
-    vocab_size = byte_vocab.VOCAB_SIZE
-    special = SpecialTokens(bos_id=byte_vocab.BOS_ID, eos_ids=(byte_vocab.EOS_ID,),
-                            pad_id=byte_vocab.PAD_ID)
-    image: ImageTokens | None = ImageTokens(byte_vocab.IMAGE_MARKER, byte_vocab.IMAGE_ID)
+    vocab_size = VOCAB_SIZE
+    special = SpecialTokens(bos_id=BOS_ID, eos_ids=(EOS_ID,),
+                            pad_id=PAD_ID)
+    image: ImageTokens | None = ImageTokens(IMAGE_MARKER, IMAGE_ID)
 
     def __init__(self) -> None:
         self._template = ChatTemplate(BUILTIN_CHAT_TEMPLATE, {}, "built-in chat template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = byte_vocab.encode(text)  # starts with BOS
-        return ids if add_special_tokens else ids[1:]
+        ids = [BOS_ID] if add_special_tokens else []
+        for i, piece in enumerate(text.split(IMAGE_MARKER)):
+            if i:
+                ids.append(IMAGE_ID)
+            ids.extend(piece.encode("utf-8"))
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
-            return bytes(t for t in ids if 0 <= t < byte_vocab.NUM_BYTE_TOKENS).decode(
+            return bytes(t for t in ids if 0 <= t < NUM_BYTE_TOKENS).decode(
                 "utf-8", "replace")
         out: list[str] = []
         run = bytearray()
         for t in ids:
-            if 0 <= t < byte_vocab.NUM_BYTE_TOKENS:
+            if 0 <= t < NUM_BYTE_TOKENS:
                 run.append(t)
             elif t in _NAMES:
                 out.append(run.decode("utf-8", "replace"))
