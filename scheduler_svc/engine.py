@@ -40,7 +40,7 @@ from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.shm import ShmError
-from tandem.text import HFTokenizer, Tokenizer, load_tokenizer
+from tandem.text import ChatMessage, HFTokenizer, TextPart, Tokenizer, load_tokenizer
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class Engine:
         # tokenizer or chat template fails the start at once and by name.
         self.tokenizer = load_tokenizer(config.model)
         self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
-                        if isinstance(self.tokenizer, HFTokenizer) else None)
+                        if isinstance(self.tokenizer, HFTokenizer)
+                        and self.tokenizer.image is not None else None)
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
         self.ledger: DeliveryLedger | None = None
@@ -259,7 +260,7 @@ class Engine:
             self.ledger.step_done(step_id, range(len(self.workers.addresses)))
             raise
         self.ledger.step_done(step_id)
-        for request, output in self.scheduler.update(out, result.sampled):
+        for request, output in self.scheduler.update(out, result.sampled, result.logprobs):
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.ledger.release(request)  # nothing held normally; the rule is uniform
             request.outputs.put_nowait(output)
@@ -406,6 +407,27 @@ class Engine:
             msg.kv_blocks_total, msg.kv_blocks_free = kv.pool.num_blocks, kv.num_free_blocks
         return msg
 
+    def model_info(self) -> generate_pb2.GetModelInfoResponse:
+        """The served model and the request limits (docs/api.md, GetModelInfo)."""
+        if self.model is None or self.inputs is None:
+            raise Unavailable("the cell is not serving: its workers are not ready")
+        c, lim, m = self.config, self.config.limits, self.model
+        msg = generate_pb2.GetModelInfoResponse(
+            model_id=c.model, model_type=m.model_type,
+            max_context_length=self.inputs.max_model_tokens,
+            max_prompt_tokens=lim.max_prompt_tokens, max_output_tokens=lim.max_tokens,
+            default_max_tokens=lim.default_max_tokens, vocab_size=m.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.special.eos_ids),
+            has_chat_template=_has_chat_template(self.tokenizer),
+            mm_cache_type=self.cache.kind, prefix_caching=c.enable_prefix_caching)
+        if m.image_token_id is not None:
+            images = self.inputs.images
+            msg.image_limits.CopyFrom(generate_pb2.ImageLimits(
+                min_pixels=images.min_pixels, max_pixels=images.max_pixels,
+                max_images_per_request=lim.max_images, max_image_bytes=images.max_image_bytes,
+                max_input_pixels=images.max_image_pixels))
+        return msg
+
     async def stop(self) -> None:
         """Abort everything in flight, stop every task, release the pool (not the cache)."""
         self._set_serving(False)
@@ -447,3 +469,16 @@ def _check_tokenizer(tokenizer: Tokenizer, model: ModelInfo, model_dir: str) -> 
         raise InvalidInput(
             f"{model_dir}: the tokenizer's image placeholder id is {pad} but config.json's "
             f"'image_token_id' is {model.image_token_id}", "BAD_MODEL")
+
+
+def _has_chat_template(tokenizer: Tokenizer) -> bool:
+    """Whether ``messages`` can be rendered: asked by rendering a one-line conversation.
+
+    NOTE: the Tokenizer interface has no such property; a template that refuses this
+    conversation (e.g. one that insists on a system turn) still counts as present.
+    """
+    try:
+        tokenizer.render_chat([ChatMessage("user", (TextPart("hi"),))])
+    except InvalidInput as exc:
+        return exc.reason != "NO_CHAT_TEMPLATE"  # HFTokenizer's reason for a missing one
+    return True

@@ -222,9 +222,9 @@ def test_smollm2_answers_like_transformers(tmp_path: Path) -> None:
             msg = generate_pb2.GenerateRequest()
             msg.messages.add(role="user").content.add(text=question)
             msg.sampling.max_tokens = 24
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
             expected = out[0, len(ids):].tolist()
