@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
-from tandem.text.byte_tokenizer import BOS_ID, IMAGE_ID
 from worker_svc.model_config import ModelConfig
 from worker_svc.request_state import IMAGE_GRID_THW
 from worker_svc.step import (
@@ -29,18 +28,20 @@ __all__ = ["ScriptedRequest", "ScriptedScheduler", "synthetic_image", "synthetic
 def synthetic_prompt(config: ModelConfig, texts: Sequence[str],
                      images: Sequence[tuple[str, MultiModalKwargsItem]],
                      ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
-    """BOS + texts[0] + image 0 + texts[1] + ... ; len(texts) == len(images) + 1.
+    """BOS + texts[0] + image 0 + texts[1] + ... ; len(texts) == len(images) + 1, the texts
+    as UTF-8 bytes (the built-in models' ids), the special ids the model config's.
 
     ``images`` are (identifier, item) pairs; the features carry the items by value.
     """
     assert len(texts) == len(images) + 1, "one text before, between and after the images"
-    tokens, features = [BOS_ID, *texts[0].encode()], []
+    assert config.bos_token_id is not None and config.image_token_id is not None
+    tokens, features = [config.bos_token_id, *texts[0].encode()], []
     for (identifier, item), text in zip(images, texts[1:], strict=True):
         _, h, w = (int(x) for x in item[IMAGE_GRID_THW].data[0])
         n = config.num_image_tokens(h, w)
         features.append(MultiModalFeatureSpec(identifier, "image",
                                               PlaceholderRange(len(tokens), n), item))
-        tokens.extend([IMAGE_ID] * n)
+        tokens.extend([config.image_token_id] * n)
         tokens.extend(text.encode())
     return tokens, features
 
