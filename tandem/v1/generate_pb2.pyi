@@ -14,10 +14,41 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class ProcessorCacheResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROCESSOR_CACHE_RESULT_UNSPECIFIED: _ClassVar[ProcessorCacheResult]
+    PROCESSOR_CACHE_RESULT_HIT: _ClassVar[ProcessorCacheResult]
+    PROCESSOR_CACHE_RESULT_MISS: _ClassVar[ProcessorCacheResult]
+    PROCESSOR_CACHE_RESULT_REFUSED: _ClassVar[ProcessorCacheResult]
+
+class ImageTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IMAGE_TRANSPORT_UNSPECIFIED: _ClassVar[ImageTransport]
+    IMAGE_TRANSPORT_SHM: _ClassVar[ImageTransport]
+    IMAGE_TRANSPORT_INLINE: _ClassVar[ImageTransport]
+
+class EncoderResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODER_RESULT_UNSPECIFIED: _ClassVar[EncoderResult]
+    ENCODER_RESULT_RAN: _ClassVar[EncoderResult]
+    ENCODER_RESULT_CACHED: _ClassVar[EncoderResult]
+    ENCODER_RESULT_SKIPPED: _ClassVar[EncoderResult]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+PROCESSOR_CACHE_RESULT_UNSPECIFIED: ProcessorCacheResult
+PROCESSOR_CACHE_RESULT_HIT: ProcessorCacheResult
+PROCESSOR_CACHE_RESULT_MISS: ProcessorCacheResult
+PROCESSOR_CACHE_RESULT_REFUSED: ProcessorCacheResult
+IMAGE_TRANSPORT_UNSPECIFIED: ImageTransport
+IMAGE_TRANSPORT_SHM: ImageTransport
+IMAGE_TRANSPORT_INLINE: ImageTransport
+ENCODER_RESULT_UNSPECIFIED: EncoderResult
+ENCODER_RESULT_RAN: EncoderResult
+ENCODER_RESULT_CACHED: EncoderResult
+ENCODER_RESULT_SKIPPED: EncoderResult
 
 class MediaItem(_message.Message):
     __slots__ = ("encoded", "tensor", "uuid", "mime_type")
@@ -100,20 +131,40 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs", "images")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     MM_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     mm_items: int
     mm_cache_hits: int
     encoder_runs: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., mm_items: _Optional[int] = ..., mm_cache_hits: _Optional[int] = ..., encoder_runs: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageUsage]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., mm_items: _Optional[int] = ..., mm_cache_hits: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageUsage, _Mapping]]] = ...) -> None: ...
+
+class ImageUsage(_message.Message):
+    __slots__ = ("key", "processor_cache", "refused_reason", "transport", "encoder", "cached_tokens", "tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROCESSOR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    processor_cache: ProcessorCacheResult
+    refused_reason: str
+    transport: ImageTransport
+    encoder: EncoderResult
+    cached_tokens: int
+    tokens: int
+    def __init__(self, key: _Optional[str] = ..., processor_cache: _Optional[_Union[ProcessorCacheResult, str]] = ..., refused_reason: _Optional[str] = ..., transport: _Optional[_Union[ImageTransport, str]] = ..., encoder: _Optional[_Union[EncoderResult, str]] = ..., cached_tokens: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "text", "logprob")
@@ -154,7 +205,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("shm_capacity_bytes", "shm_used_bytes", "shm_objects", "shm_unacked_refs", "prefix_cache_blocks", "prefix_cache_hit_tokens_total", "mm_cache_hits_total", "mm_cache_misses_total", "mm_cache_type", "kv_blocks_total", "kv_blocks_free")
+    __slots__ = ("shm_capacity_bytes", "shm_used_bytes", "shm_objects", "shm_unacked_refs", "prefix_cache_blocks", "prefix_cache_hit_tokens_total", "mm_cache_hits_total", "mm_cache_misses_total", "mm_cache_type", "kv_blocks_total", "kv_blocks_free", "mm_cache_capacity_bytes", "mm_cache_curve", "mm_cache_achievable_hit_ratio", "mm_cache_curve_references", "mm_cache_recommended_bytes")
     SHM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +217,11 @@ class CacheStatsResponse(_message.Message):
     MM_CACHE_TYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    MM_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MM_CACHE_CURVE_FIELD_NUMBER: _ClassVar[int]
+    MM_CACHE_ACHIEVABLE_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MM_CACHE_CURVE_REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    MM_CACHE_RECOMMENDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     shm_capacity_bytes: int
     shm_used_bytes: int
     shm_objects: int
@@ -177,7 +233,20 @@ class CacheStatsResponse(_message.Message):
     mm_cache_type: str
     kv_blocks_total: int
     kv_blocks_free: int
-    def __init__(self, shm_capacity_bytes: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_objects: _Optional[int] = ..., shm_unacked_refs: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., mm_cache_hits_total: _Optional[int] = ..., mm_cache_misses_total: _Optional[int] = ..., mm_cache_type: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+    mm_cache_capacity_bytes: int
+    mm_cache_curve: _containers.RepeatedCompositeFieldContainer[CurvePoint]
+    mm_cache_achievable_hit_ratio: float
+    mm_cache_curve_references: int
+    mm_cache_recommended_bytes: int
+    def __init__(self, shm_capacity_bytes: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_objects: _Optional[int] = ..., shm_unacked_refs: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., mm_cache_hits_total: _Optional[int] = ..., mm_cache_misses_total: _Optional[int] = ..., mm_cache_type: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., mm_cache_capacity_bytes: _Optional[int] = ..., mm_cache_curve: _Optional[_Iterable[_Union[CurvePoint, _Mapping]]] = ..., mm_cache_achievable_hit_ratio: _Optional[float] = ..., mm_cache_curve_references: _Optional[int] = ..., mm_cache_recommended_bytes: _Optional[int] = ...) -> None: ...
+
+class CurvePoint(_message.Message):
+    __slots__ = ("capacity_bytes", "hit_ratio")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    hit_ratio: float
+    def __init__(self, capacity_bytes: _Optional[int] = ..., hit_ratio: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
