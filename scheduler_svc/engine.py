@@ -255,6 +255,8 @@ class Engine:
         except StepFailed as exc:
             self.ledger.step_done(step_id, exc.ranks)
             self._step_failed(out, exc)
+            if self._debug_invariants:  # a failed step too: its references are in doubt
+                self.check_invariants()
             return
         except BaseException:  # outcome unknown on every worker
             self.ledger.step_done(step_id, range(len(self.workers.addresses)))
