@@ -205,7 +205,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("shm_capacity_bytes", "shm_used_bytes", "shm_objects", "shm_unacked_refs", "prefix_cache_blocks", "prefix_cache_hit_tokens_total", "mm_cache_hits_total", "mm_cache_misses_total", "mm_cache_type", "kv_blocks_total", "kv_blocks_free", "mm_cache_capacity_bytes", "mm_cache_curve", "mm_cache_achievable_hit_ratio", "mm_cache_curve_references", "mm_cache_recommended_bytes")
+    __slots__ = ("shm_capacity_bytes", "shm_used_bytes", "shm_objects", "shm_unacked_refs", "prefix_cache_blocks", "prefix_cache_hit_tokens_total", "mm_cache_hits_total", "mm_cache_misses_total", "mm_cache_type", "kv_blocks_total", "kv_blocks_free", "mm_cache_capacity_bytes", "mm_cache_curve", "mm_cache_achievable_hit_ratio", "mm_cache_curve_references", "mm_cache_recommended_bytes", "requests_in_flight")
     SHM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class CacheStatsResponse(_message.Message):
     MM_CACHE_ACHIEVABLE_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     MM_CACHE_CURVE_REFERENCES_FIELD_NUMBER: _ClassVar[int]
     MM_CACHE_RECOMMENDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     shm_capacity_bytes: int
     shm_used_bytes: int
     shm_objects: int
@@ -238,7 +239,8 @@ class CacheStatsResponse(_message.Message):
     mm_cache_achievable_hit_ratio: float
     mm_cache_curve_references: int
     mm_cache_recommended_bytes: int
-    def __init__(self, shm_capacity_bytes: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_objects: _Optional[int] = ..., shm_unacked_refs: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., mm_cache_hits_total: _Optional[int] = ..., mm_cache_misses_total: _Optional[int] = ..., mm_cache_type: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., mm_cache_capacity_bytes: _Optional[int] = ..., mm_cache_curve: _Optional[_Iterable[_Union[CurvePoint, _Mapping]]] = ..., mm_cache_achievable_hit_ratio: _Optional[float] = ..., mm_cache_curve_references: _Optional[int] = ..., mm_cache_recommended_bytes: _Optional[int] = ...) -> None: ...
+    requests_in_flight: int
+    def __init__(self, shm_capacity_bytes: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_objects: _Optional[int] = ..., shm_unacked_refs: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., mm_cache_hits_total: _Optional[int] = ..., mm_cache_misses_total: _Optional[int] = ..., mm_cache_type: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., mm_cache_capacity_bytes: _Optional[int] = ..., mm_cache_curve: _Optional[_Iterable[_Union[CurvePoint, _Mapping]]] = ..., mm_cache_achievable_hit_ratio: _Optional[float] = ..., mm_cache_curve_references: _Optional[int] = ..., mm_cache_recommended_bytes: _Optional[int] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class CurvePoint(_message.Message):
     __slots__ = ("capacity_bytes", "hit_ratio")
