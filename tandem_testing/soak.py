@@ -277,7 +277,7 @@ class Soak:
                 break
             time.sleep(0.1)
         end = {f.name: float(getattr(stats, f.name)) for f in stats.DESCRIPTOR.fields
-               if f.name != "mm_cache_type"}
+               if f.type != f.TYPE_STRING and f.type != f.TYPE_MESSAGE}  # the figures
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         for m in re.finditer(r"^(tandem_\w+?)(?:\{reason=\"(\w+)\"\})? (\S+)$", text, re.M):
