@@ -1,8 +1,10 @@
-"""Typed errors of the domain code and the one place that maps them to gRPC statuses.
+"""Typed errors of the domain code and the one place that maps them to gRPC and HTTP.
 
 Domain code raises these; servicers never build statuses themselves. Each error carries a
 message written for the user of the API (never an internal exception's text) and a
-machine-readable ``reason`` sent as ``google.rpc.ErrorInfo`` (domain ``tandem.dev``).
+machine-readable ``reason`` sent as ``google.rpc.ErrorInfo`` (domain ``tandem.dev``) over
+gRPC, and as the OpenAI error object's ``code`` over HTTP. Both APIs derive their status
+from the error's gRPC code through one table, :data:`HTTP_STATUS`.
 """
 
 from __future__ import annotations
@@ -36,10 +38,19 @@ class TandemError(Exception):
         if code is not None:
             cls.code, cls.default_reason = code, reason or code.name
 
-    def __init__(self, message: str, reason: str | None = None) -> None:
+    def __init__(self, message: str, reason: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason
+        self.param = param  # the request field at fault, when known (OpenAI's "param")
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str, reason: str) -> TandemError:
+        """An error another Tandem server already mapped (a cell behind the router): its
+        code, message and reason as they arrived, so both APIs pass it on unchanged."""
+        err = cls(message, reason or code.name)
+        err.code = code
+        return err
 
 
 class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMENT,
@@ -63,6 +74,31 @@ class Aborted(TandemError, code=grpc.StatusCode.ABORTED):
     pass
 
 
+class NotFound(TandemError, code=grpc.StatusCode.NOT_FOUND):
+    pass
+
+
+# The HTTP status and OpenAI error ``type`` of each gRPC code: the one table both APIs
+# derive from (gRPC's own mapping of HTTP to gRPC codes, read backwards; 499 is the
+# "client closed request" status proxies use for a cancelled call).
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_HTTP_INTERNAL = (500, "internal_server_error")  # INTERNAL, UNKNOWN, DATA_LOSS
+
+
 def classify(exc: BaseException) -> TandemError:
     """The client-facing error for any exception (unknown ones become a generic INTERNAL)."""
     if isinstance(exc, TandemError):
@@ -74,6 +110,25 @@ def classify(exc: BaseException) -> TandemError:
     if isinstance(exc, shm_errors.SegmentFull):
         return ResourceExhausted("the shared feature segment is full", reason="SHM_FULL")
     return TandemError("internal error; see the server log")
+
+
+def log_unexpected(exc: BaseException, err: TandemError) -> None:
+    """Log an exception that ``classify`` had to translate (the client never sees its text)."""
+    if err is not exc:
+        log.log(
+            logging.WARNING if isinstance(exc, shm_errors.ShmError) else logging.ERROR,
+            "request failed: %s", exc, exc_info=not isinstance(exc, shm_errors.ShmError),
+        )
+
+
+def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error object (``{"error": {message, type, param, code}}``)
+    for any exception, through the same ``classify`` and code as the gRPC status."""
+    err = classify(exc)
+    log_unexpected(exc, err)
+    status, kind = HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
+    return status, {"error": {"message": err.message, "type": kind, "param": err.param,
+                              "code": err.reason.lower()}}
 
 
 def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tuple:
@@ -92,13 +147,16 @@ def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tup
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Abort the RPC with the status that ``exc`` maps to (logs unexpected errors)."""
     err = classify(exc)
-    if err is not exc:
-        log.log(
-            logging.WARNING if isinstance(exc, shm_errors.ShmError) else logging.ERROR,
-            "request failed: %s", exc, exc_info=not isinstance(exc, shm_errors.ShmError),
-        )
+    log_unexpected(exc, err)
     context.set_trailing_metadata(rich_status(err))
     await context.abort(err.code, err.message)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> TandemError:
+    """Client side: a failed call as the error the server mapped (code, message, reason)."""
+    info = error_info(exc)
+    return TandemError.from_status(exc.code(), exc.details() or "",  # type: ignore[attr-defined]
+                                   info.reason if info is not None else "")
 
 
 def error_info(exc: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:

@@ -1,0 +1,269 @@
+"""OpenAI <-> Tandem: pydantic request -> ``GenerateRequest``, response stream -> OpenAI bodies.
+
+Pure functions (the streams only iterate what they are given), tested without a server.
+Every OpenAI field maps onto a ``GenerateRequest`` field; the scheduler then validates
+the values exactly as it does for gRPC, so both APIs accept and refuse the same requests.
+What the proto cannot express is refused here, with the field named: ``n`` other than 1,
+images given as remote URLs that were not fetched, ``echo`` and ``suffix``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tandem.errors import InvalidInput
+from tandem.openai_api import schema
+from tandem.v1 import generate_pb2
+
+# OpenAI's temperature default (the proto's 0 would mean greedy decoding).
+DEFAULT_TEMPERATURE = 1.0
+DATA_URI_PREFIX = "data:"
+FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """What every body of one response repeats: its id, creation time and model name."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, request_id: str, model: str) -> ResponseMeta:
+        return cls(f"{prefix}-{request_id}", int(time.time()), model)
+
+
+# --- requests ----------------------------------------------------------------------------
+
+def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
+                 fetched: Mapping[str, tuple[bytes, str]] | None = None,
+                 ) -> generate_pb2.GenerateRequest:
+    """A chat completion request as a GenerateRequest in chat form.
+
+    ``fetched``: remote image URL -> (bytes, MIME type) for the URLs the server fetched
+    (only when remote images are enabled); any other non-``data:`` URL is refused.
+    """
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidInput("top_logprobs needs logprobs: true", "BAD_SAMPLING", "top_logprobs")
+    if (req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens):
+        raise InvalidInput("max_tokens and max_completion_tokens differ: set one",
+                           "BAD_SAMPLING", "max_completion_tokens")
+    msg = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=req.cache_salt or "")
+    for i, message in enumerate(req.messages):
+        out = msg.messages.add(role="system" if message.role == "developer" else message.role)
+        content = message.content
+        if isinstance(content, str):
+            out.content.add(text=content)
+            continue
+        for j, part in enumerate(content or ()):
+            if isinstance(part, schema.TextContent):
+                out.content.add(text=part.text)
+            else:
+                param = f"messages[{i}].content[{j}].image_url.url"
+                out.content.add(image=media_item(part.image_url.url, param, fetched or {}))
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)
+    msg.sampling.CopyFrom(sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0))
+    return msg
+
+
+def completion_request(req: schema.CompletionRequest,
+                       request_id: str = "") -> generate_pb2.GenerateRequest:
+    """A (legacy) completion request: one prompt string, tokenized as is."""
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise InvalidInput(f"prompt must be one string (a list of {len(prompt)} was given; "
+                               "send one request per prompt)", "INVALID_INPUT", "prompt")
+        prompt = prompt[0]
+    if req.echo:
+        raise InvalidInput("echo is not supported", "UNSUPPORTED", "echo")
+    if req.suffix:
+        raise InvalidInput("suffix is not supported", "UNSUPPORTED", "suffix")
+    msg = generate_pb2.GenerateRequest(request_id=request_id, prompt=prompt,
+                                       cache_salt=req.cache_salt or "")
+    msg.sampling.CopyFrom(sampling(req, req.max_tokens, req.logprobs is not None,
+                                   req.logprobs or 0))
+    return msg
+
+
+def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
+             top_logprobs: int) -> generate_pb2.SamplingParams:
+    """The shared sampling fields; unset optional ones stay unset (the server's default)."""
+    if req.n != 1:
+        raise InvalidInput(f"n must be 1 (got {req.n}): send one request per choice",
+                           "UNSUPPORTED", "n")
+    s = generate_pb2.SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
+        stop_token_ids=req.stop_token_ids or [],
+        include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens or 0, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0, logprobs=logprobs,
+        top_logprobs=top_logprobs)
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    if req.top_p is not None:
+        s.top_p = req.top_p
+    if req.seed is not None:
+        s.seed = req.seed
+    if req.repetition_penalty is not None:
+        s.repetition_penalty = req.repetition_penalty
+    return s
+
+
+def media_item(url: str, param: str,
+               fetched: Mapping[str, tuple[bytes, str]]) -> generate_pb2.MediaItem:
+    """One ``image_url``: a base64 ``data:`` URI, or a remote URL the server fetched."""
+    if url in fetched:
+        data, mime = fetched[url]
+        return generate_pb2.MediaItem(encoded=data, mime_type=mime)
+    if not url.startswith(DATA_URI_PREFIX):
+        raise InvalidInput(
+            "remote image URLs are not enabled on this server; send the image inline as a "
+            "data: URI (data:image/png;base64,...)", "REMOTE_IMAGE_DISABLED", param)
+    header, comma, payload = url[len(DATA_URI_PREFIX):].partition(",")
+    mime, *params = header.split(";")
+    if not comma or "base64" not in params:
+        raise InvalidInput("an image data: URI must be base64 (data:image/png;base64,...)",
+                           "BAD_IMAGE", param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("the image data: URI is not valid base64", "BAD_IMAGE",
+                           param) from None
+    return generate_pb2.MediaItem(encoded=data, mime_type=mime)
+
+
+def remote_image_urls(req: schema.ChatCompletionRequest) -> list[str]:
+    """The request's image URLs that are not ``data:`` URIs, in order."""
+    return [part.image_url.url for m in req.messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, schema.ImageContent)
+            and not part.image_url.url.startswith(DATA_URI_PREFIX)]
+
+
+# --- responses ---------------------------------------------------------------------------
+
+def usage(u: generate_pb2.Usage) -> schema.Usage:
+    return schema.Usage(
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=schema.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens),
+        tandem=schema.TandemUsage(mm_items=u.mm_items, mm_cache_hits=u.mm_cache_hits,
+                                  encoder_runs=u.encoder_runs))
+
+
+def finish_reason(msg: generate_pb2.GenerateResponse) -> str | None:
+    return FINISH_REASONS.get(msg.finish_reason)
+
+
+def chat_logprobs(positions: Iterable[generate_pb2.PositionLogprobs],
+                  ) -> schema.ChoiceLogprobs:
+    def top(t: generate_pb2.TokenLogprob) -> schema.TopLogprob:
+        return schema.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
+
+    return schema.ChoiceLogprobs(content=[
+        schema.TokenLogprob(**top(p.token).model_dump(), top_logprobs=[
+            top(t) for t in p.top_logprobs]) for p in positions])
+
+
+def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
+                        offset: int) -> schema.CompletionLogprobs:
+    """The legacy form; ``offset`` is where the first token's text starts in the output
+    (offsets count each token's own decoded text)."""
+    offsets = []
+    for p in positions:
+        offsets.append(offset)
+        offset += len(p.token.text)
+    return schema.CompletionLogprobs(
+        tokens=[p.token.text for p in positions],
+        token_logprobs=[p.token.logprob for p in positions],
+        top_logprobs=[{t.text: t.logprob for t in p.top_logprobs} for p in positions],
+        text_offset=offsets)
+
+
+def chat_completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
+                    with_logprobs: bool) -> schema.ChatCompletion:
+    """A whole (non-streamed) chat completion from the request's response messages."""
+    last = msgs[-1]
+    return schema.ChatCompletion(
+        id=meta.id, created=meta.created, model=meta.model,
+        choices=[schema.ChatChoice(
+            message=schema.ChatMessageOut(content="".join(m.text for m in msgs)),
+            logprobs=(chat_logprobs(p for m in msgs for p in m.logprobs)
+                      if with_logprobs else None),
+            finish_reason=finish_reason(last) or "abort")],
+        usage=usage(last.usage))
+
+
+def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
+               with_logprobs: bool) -> schema.Completion:
+    last = msgs[-1]
+    return schema.Completion(
+        id=meta.id, created=meta.created, model=meta.model,
+        choices=[schema.CompletionChoice(
+            text="".join(m.text for m in msgs),
+            logprobs=(completion_logprobs([p for m in msgs for p in m.logprobs], 0)
+                      if with_logprobs else None),
+            finish_reason=finish_reason(last) or "abort")],
+        usage=usage(last.usage))
+
+
+async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: ResponseMeta,
+                      with_logprobs: bool, include_usage: bool,
+                      ) -> AsyncIterator[schema.ChatCompletionChunk]:
+    """The streamed form: a first chunk with the role, one per message that carries text
+    or a finish reason, then (``include_usage``) one with no choices and the usage."""
+    def chunk(delta: schema.Delta, msg: generate_pb2.GenerateResponse | None = None,
+              ) -> schema.ChatCompletionChunk:
+        choice = schema.ChatChunkChoice(delta=delta)
+        if msg is not None:
+            choice.finish_reason = finish_reason(msg)
+            if with_logprobs:
+                choice.logprobs = chat_logprobs(msg.logprobs)
+        return schema.ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                          choices=[choice])
+
+    yield chunk(schema.Delta(role="assistant", content=""))
+    last = None
+    async for last in msgs:
+        if last.text or last.logprobs or last.finish_reason:
+            yield chunk(schema.Delta(content=last.text), last)
+    if include_usage and last is not None:
+        yield schema.ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                         choices=[], usage=usage(last.usage))
+
+
+async def completion_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse],
+                            meta: ResponseMeta, with_logprobs: bool, include_usage: bool,
+                            ) -> AsyncIterator[schema.Completion]:
+    offset = 0
+    last = None
+    async for last in msgs:
+        if not (last.text or last.logprobs or last.finish_reason):
+            continue
+        choice = schema.CompletionChoice(text=last.text, finish_reason=finish_reason(last))
+        if with_logprobs:
+            choice.logprobs = completion_logprobs(last.logprobs, offset)
+            offset += sum(len(p.token.text) for p in last.logprobs)
+        yield schema.Completion(id=meta.id, created=meta.created, model=meta.model,
+                                choices=[choice])
+    if include_usage and last is not None:
+        yield schema.Completion(id=meta.id, created=meta.created, model=meta.model,
+                                choices=[], usage=usage(last.usage))
+
+
+def model_list(info: generate_pb2.GetModelInfoResponse, created: int) -> schema.ModelList:
+    return schema.ModelList(data=[schema.ModelCard(
+        id=info.model_id, created=created, max_model_len=info.max_context_length)])

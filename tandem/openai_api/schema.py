@@ -1,0 +1,217 @@
+"""The OpenAI HTTP API's request and response bodies, as pydantic models.
+
+Only what Tandem serves is declared. Requests forbid unknown fields, so a client asking for
+something Tandem does not do (``tools``, ``response_format``, ...) gets a 400 naming the
+field rather than an answer that silently ignored it; the few fields every SDK sends and
+that change nothing here (``user``) are declared and ignored. Tandem's own extensions
+follow vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``) plus ``cache_salt``.
+Field ranges are checked by the scheduler (one rule set for gRPC and HTTP), not here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# What the proto's integer fields can hold: out-of-range values are refused here, by name,
+# rather than by protobuf's setter deep inside the conversion.
+U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+I32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """The sampling fields both endpoints share (``None`` = the server's default)."""
+
+    model: str
+    max_tokens: U32 | None = None
+    temperature: float | None = None  # unset = 1, OpenAI's default
+    top_p: float | None = None
+    top_k: I32 | None = None
+    min_p: float | None = None
+    seed: U64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[U32] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: U32 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    user: str | None = None  # accepted, unused
+
+
+class ImageUrl(_Request):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, unused
+
+
+class TextContent(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageContent(_Request):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+
+
+class Message(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted, unused
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: U32 | None = None  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: U32 | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # One prompt string (a list holding exactly one is accepted, as the SDK may send it).
+    prompt: str | list[str]
+    logprobs: U32 | None = None  # how many top tokens per position (OpenAI: 0..5)
+    echo: bool = False
+    suffix: str | None = None
+
+
+# --- responses ---------------------------------------------------------------------------
+
+class _Response(BaseModel):
+    pass
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class TandemUsage(_Response):
+    """Tandem's multimodal cache figures (an extension of OpenAI's usage)."""
+
+    mm_items: int  # images in the request
+    mm_cache_hits: int  # images whose processed features came from the processor cache
+    encoder_runs: int  # images the workers ran through the vision encoder
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    tandem: TandemUsage
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    max_model_len: int  # vLLM's extension: prompt plus output tokens
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A response body as JSON-ready data (``None`` fields kept: OpenAI sends ``null``)."""
+    return model.model_dump(mode="json")
