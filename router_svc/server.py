@@ -1,4 +1,5 @@
-"""The router process: the public Generation API, health, reflection, graceful shutdown."""
+"""The router process: the public Generation API, health, reflection, the OpenAI-compatible
+HTTP port (forwarded to the cells like Generate), graceful shutdown."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from prometheus_client import CollectorRegistry
 
 from router_svc.balancer import Balancer
 from router_svc.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
+from router_svc.forwarding import Forwarder
+from router_svc.http_backend import RouterBackend
 from router_svc.metrics import BalancerCollector
 from router_svc.servicer import RouterServicer
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
+from tandem.openai_api.http_server import HttpConfig, HttpServer
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 
@@ -44,6 +48,7 @@ class RouterConfig:
     tls: TlsFiles = field(default_factory=TlsFiles)
     cell_tls: TlsFiles = field(default_factory=TlsFiles)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
+    http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
 
 
 @dataclass
@@ -52,6 +57,7 @@ class RouterServer:
     port: int
     pool: CellPool
     metrics: MetricsEndpoint | None = None
+    http: HttpServer | None = None
 
     @property
     def balancer(self) -> Balancer:
@@ -60,8 +66,9 @@ class RouterServer:
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight streams finish (up to
         ``grace``; the rest are cancelled, which cancels them on their cells) -> stop
-        polling and close the cell channels."""
-        await self.grpc.stop(grace)
+        polling and close the cell channels. The HTTP port drains alongside."""
+        await asyncio.gather(self.grpc.stop(grace),
+                             *([self.http.stop(grace)] if self.http is not None else []))
         await self.pool.close()
         if self.metrics is not None:
             await self.metrics.close()
@@ -90,6 +97,15 @@ async def create_router(config: RouterConfig) -> RouterServer:
     port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
     await pool.start()
     await publish()
+    http = None
+    if config.http.listen:
+        try:
+            http = await HttpServer.start(RouterBackend(Forwarder(pool, config.block_size)),
+                                          config.http, config.tls)
+        except BaseException:
+            await public.stop(0)
+            await pool.close()
+            raise
     metrics = None
     if config.metrics_port:
         registry = CollectorRegistry()
@@ -98,7 +114,9 @@ async def create_router(config: RouterConfig) -> RouterServer:
     log.info("router serving %s on port %d, %s, over %d cells (%d up%s), load factor %.2f",
              SERVICE_NAME, port, tls_mode(credentials, config.tls.ca), len(config.cells),
              len(balancer.healthy), ", TLS" if cell_credentials else "", config.load_factor)
-    return RouterServer(public, port, pool, metrics)
+    if http is not None:
+        log.info("router serving the OpenAI-compatible HTTP API on port %d", http.port)
+    return RouterServer(public, port, pool, metrics, http)
 
 
 async def serve(config: RouterConfig) -> None:

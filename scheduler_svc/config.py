@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from scheduler_svc.image_processor import ImageProcessorConfig
+from tandem.openai_api.http_server import HttpConfig
 from tandem.tls import TlsFiles
 
 
@@ -41,6 +42,7 @@ class SchedulerConfig:
     metrics_port: int = 0
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
+    http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
     limits: Limits = field(default_factory=Limits)
 
     @property

@@ -1,4 +1,5 @@
-"""The scheduler process: processor cache, worker pool, engine and the public gRPC server."""
+"""The scheduler process: processor cache, worker pool, engine, the public gRPC server and
+the OpenAI-compatible HTTP port (same engine, same loop)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.http_backend import EngineBackend
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.worker_client import WorkerPool
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
+from tandem.openai_api.http_server import HttpServer
 from tandem.processor_cache import (
     LruProcessorCache,
     ProcessorCache,
@@ -40,13 +43,16 @@ class SchedulerServer:
     cache: ProcessorCache
     workers: WorkerPool
     metrics: MetricsEndpoint | None = None
+    http: HttpServer | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
-        """Health NOT_SERVING and new calls refused at once -> running streams finish while
-        the engine keeps stepping (up to ``grace``; the rest are cancelled, which aborts
-        their requests) -> close the health-only port -> stop the engine -> close worker
-        channels -> unlink the segment -> stop serving metrics."""
-        await self.grpc.stop(grace)
+        """Health NOT_SERVING and new calls refused at once, on the gRPC and the HTTP port
+        -> running streams finish while the engine keeps stepping (up to ``grace``; the
+        rest are cancelled, which aborts their requests) -> close the health-only port ->
+        stop the engine -> close worker channels -> unlink the segment -> stop serving
+        metrics."""
+        await asyncio.gather(self.grpc.stop(grace),
+                             *([self.http.stop(grace)] if self.http is not None else []))
         await self.engine.stop()
         await self.workers.close()
         self.cache.close()
@@ -86,20 +92,27 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         latency = RequestLatency(registry)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, latency),
                                                        public.server)
+    http = None
     try:
         port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
+        if config.http.listen:  # bound before the workers answer, as gRPC is: 503 until then
+            http = await HttpServer.start(EngineBackend(engine, latency), config.http,
+                                          config.tls)
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
+        if http is not None:
+            await http.stop(0)
         await public.stop(0)
         await engine.stop()
         await workers.close()
         cache.close()
         raise
-    log.info("scheduler serving %s on port %d, %s (%d workers, cache %s)", SERVICE_NAME, port,
-             tls_mode(credentials, config.tls.ca), config.num_workers, cache.kind)
-    return SchedulerServer(public, port, engine, cache, workers, metrics)
+    log.info("scheduler serving %s on port %d, %s (%d workers, cache %s)%s", SERVICE_NAME,
+             port, tls_mode(credentials, config.tls.ca), config.num_workers, cache.kind,
+             "" if http is None else f", OpenAI-compatible HTTP on port {http.port}")
+    return SchedulerServer(public, port, engine, cache, workers, metrics, http)
 
 
 def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
@@ -136,7 +149,9 @@ async def serve(config: SchedulerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await create_server(config)
-    print(f"tandem scheduler listening on {config.listen} (pid {os.getpid()})", flush=True)
+    http = f", HTTP on {config.http.listen}" if config.http.listen else ""
+    print(f"tandem scheduler listening on {config.listen}{http} (pid {os.getpid()})",
+          flush=True)
     await stop.wait()
     log.info("shutting down")
     await running.stop()

@@ -94,6 +94,30 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add_limit_flags(p)
     _add_tls_serving_flags(p)
     _add_health_listen(p)
+    _add_http_flags(p)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-listen", default=_env("HTTP_LISTEN", ""),
+                   help="host:port of the OpenAI-compatible HTTP API (empty = off); TLS as "
+                        "the gRPC port (--tls-*)")
+    p.add_argument("--http-allow-remote-images", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("HTTP_ALLOW_REMOTE_IMAGES", False),
+                   help="fetch image_url http(s) URLs (public addresses only); off: data: URIs")
+    p.add_argument("--http-remote-image-max-bytes", type=size_arg,
+                   default=_env("HTTP_REMOTE_IMAGE_MAX_BYTES", "20Mi"),
+                   help="largest remote image fetched")
+    p.add_argument("--http-remote-image-timeout", type=float,
+                   default=float(_env("HTTP_REMOTE_IMAGE_TIMEOUT", "10")),
+                   help="seconds one remote image fetch may take, redirects included")
+
+
+def _http_config(args: argparse.Namespace):
+    from tandem.openai_api.http_server import HttpConfig
+    from tandem.openai_api.remote_images import RemoteImageLimits
+
+    return HttpConfig(args.http_listen, args.http_allow_remote_images, RemoteImageLimits(
+        args.http_remote_image_max_bytes, args.http_remote_image_timeout))
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -156,7 +180,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         metrics_port=args.metrics_port, health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels, step_timeout_s=args.step_timeout, limits=limits)
+        max_pixels=args.max_pixels, step_timeout_s=args.step_timeout, limits=limits,
+        http=_http_config(args))
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
@@ -324,7 +349,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             block_size=args.block_size, health_interval=args.health_interval,
             metrics_port=args.metrics_port, health_listen=args.health_listen,
             tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
-            cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca))))
+            cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
+            http=_http_config(args))))
     finally:
         _shutdown_tracing()
     return 0
@@ -420,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics port (0 = off)")
     _add_tls_serving_flags(p)
     _add_health_listen(p)
+    _add_http_flags(p)
     p.add_argument("--cell-tls-ca", default=_env("ROUTER_CELL_TLS_CA", ""),
                    help="PEM CA bundle of the cells' certificates: connect to them with TLS")
     p.add_argument("--cell-tls-cert", default=_env("ROUTER_CELL_TLS_CERT", ""),

@@ -49,8 +49,11 @@ class _Disconnected(Exception):
 
 def create_app(backend: Backend, fetcher: RemoteImageFetcher | None = None) -> FastAPI:
     """The app over ``backend``; ``fetcher`` set = remote image URLs are allowed."""
+    # NOTE: FastAPI's own OpenTelemetry (on by default since 0.142) is off: its logs record
+    # validation failures with the input, and prompts never go into telemetry here;
+    # ServerSpans makes the one server span, the twin of the gRPC port's.
     app = FastAPI(title="Tandem OpenAI-compatible API", openapi_url=None, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.add_middleware(ServerSpans)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_exception)  # type: ignore[arg-type]

@@ -116,8 +116,9 @@ class HttpServer:
     async def stop(self, grace: float) -> None:
         """Refuse new connections; let open responses finish for up to ``grace`` s, then
         cancel them (which aborts their requests)."""
-        # uvicorn hands this to asyncio.wait_for: a float works, 0 cancels at once.
-        self.server.config.timeout_graceful_shutdown = max(grace, 0.0)  # type: ignore[assignment]
+        # uvicorn hands this to asyncio.wait_for, so a float works; at 0 it would time out
+        # (and log so) even with nothing left to wait for.
+        self.server.config.timeout_graceful_shutdown = max(grace, 0.05)  # type: ignore[assignment]
         self.server.should_exit = True
         await self.task
         if self.fetcher is not None:
