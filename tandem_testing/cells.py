@@ -44,7 +44,11 @@ class Cell:
     def generate(self, prompt: str, images: list[bytes] = (), max_tokens: int = 8,
                  **sampling: object) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
         """Run one request; returns (token ids, text, last message)."""
-        msg = request(prompt, images, max_tokens, **sampling)
+        return self.stream(request(prompt, images, max_tokens, **sampling))
+
+    def stream(self, msg: generate_pb2.GenerateRequest,
+               ) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
+        """Run ``msg`` to its end; returns (token ids, text, last message)."""
         ids: list[int] = []
         text = ""
         last = None
@@ -101,8 +105,13 @@ def png(seed: int, width: int = 112, height: int = 84) -> bytes:
 
 
 @contextlib.contextmanager
-def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell]:
-    """``tandem serve`` with its segment under ``tmp``; stopped (SIGTERM) afterwards."""
+def running_cell(tmp: Path, *flags: str, timeout: float = 90.0,
+                 debug_invariants: bool = True) -> Iterator[Cell]:
+    """``tandem serve`` with its segment under ``tmp``; stopped (SIGTERM) afterwards.
+
+    Tests check the bookkeeping after every step (``TANDEM_DEBUG_INVARIANTS=1``);
+    benchmarks pass ``debug_invariants=False`` to time what production runs.
+    """
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     shm_dir = tmp / "shm"
@@ -110,7 +119,8 @@ def running_cell(tmp: Path, *flags: str, timeout: float = 90.0) -> Iterator[Cell
            "--shm-dir", str(shm_dir), "--kv-cache-size", "16Mi", "--log-level", "WARNING",
            *flags]
     log = open(tmp / "cell.log", "wb")  # noqa: SIM115 - closed below
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_DEBUG_INVARIANTS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               TANDEM_DEBUG_INVARIANTS="1" if debug_invariants else "0")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     cell = Cell(f"127.0.0.1:{port}", shm_dir, proc, channel)

@@ -103,13 +103,8 @@ def reference_ids(model: torch.nn.Module, model_dir: Path,
 
 def served(cell: Cell, msg: generate_pb2.GenerateRequest,
            ) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
-    ids: list[int] = []
-    text = ""
-    last = None
-    for last in cell.stub.Generate(msg, timeout=120):
-        ids.extend(last.token_ids)
-        text += last.text
-    assert last is not None and last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    ids, text, last = cell.stream(msg)
+    assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
     return ids, text, last
 
 
