@@ -29,6 +29,9 @@ class SchedulerConfig:
     mm_cache: str = "shm"  # shm | lru | none
     mm_cache_size: int = 256 * 2**20
     mm_cache_max_object_size: int = 64 * 2**20
+    # CacheStats recommends the smallest cache reaching this fraction of the achievable
+    # hit ratio (docs/cache-sizing.md)
+    mm_cache_target_fraction: float = 0.95
     shm_group_mode: bool = False
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -44,6 +47,11 @@ class SchedulerConfig:
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
     limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mm_cache_target_fraction <= 1.0:
+            raise ValueError(f"--mm-cache-target-fraction must be in (0, 1], got "
+                             f"{self.mm_cache_target_fraction}")
 
     @property
     def num_workers(self) -> int:

@@ -32,6 +32,11 @@ A reference is in one of four places, and :class:`DeliveryLedger` records which:
 :meth:`DeliveryLedger.check_invariants` (after every step with ``TANDEM_DEBUG_INVARIANTS=1``)
 compares all of this, per object and slot, with the writer's own counters
 (``ShmWriter.outstanding``, whose sum is ``ShmWriter.stats().unacked_refs``).
+
+Every delivery is also one reference of the processor cache's stream: the ledger feeds
+each to the reuse curve (``tandem/reuse_curve.py``), keyed as the cache keys images and
+weighed as it charges them, and the first delivery of a request attributes each image
+(``Request.images``, :mod:`scheduler_svc.image_usage`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.request_trace import image_span
 from tandem.features import FeatureData, MultiModalKwargsItem
 from tandem.processor_cache import ProcessorCache, ShmProcessorCache
+from tandem.reuse_curve import ReuseCurve
 from tandem.shm import ShmDescriptor
 from tandem.v1 import generate_pb2
 
@@ -92,6 +98,8 @@ class DeliveryLedger:
     ``process(media)`` turns an image into its item (CPU-heavy; run through ``offload``).
     ``on_redelivered(request, error)`` is called when a preempted request's re-acquisition
     finished (``error`` None) or failed; the caller then wakes the scheduler or fails it.
+    ``reuse`` observes every delivery's reference (the processor cache's reuse curve; the
+    engine passes the one CacheStats reports, which outlives the ledger's resets).
 
     Only this class calls the processor cache's ``pinned``/``lookup``/``store``/``release``
     and the writer's ``release``/``reset_reader_slot`` for requests; it runs on the event
@@ -100,8 +108,10 @@ class DeliveryLedger:
     """
 
     def __init__(self, cache: ProcessorCache, process: Process, offload: Offload,
-                 on_redelivered: Callable[[Request, BaseException | None], None]) -> None:
+                 on_redelivered: Callable[[Request, BaseException | None], None],
+                 reuse: ReuseCurve | None = None) -> None:
         self.cache = cache
+        self.reuse = reuse if reuse is not None else ReuseCurve()
         self.writer = cache.writer if isinstance(cache, ShmProcessorCache) else None
         self._process = process
         self._offload = offload
@@ -126,7 +136,7 @@ class DeliveryLedger:
         holding = self._holdings[request] = _Holding()
         try:
             request.mm_cache_hits = await self._fill(request, range(len(request.features)),
-                                                     holding, traced=True)
+                                                     holding, first=True)
         except BaseException:
             self.release(request)
             raise
@@ -151,7 +161,7 @@ class DeliveryLedger:
 
     async def _redeliver(self, request: Request, holding: _Holding, spent: list[int]) -> None:
         try:
-            await self._fill(request, spent, holding, traced=False)
+            await self._fill(request, spent, holding, first=False)
         except asyncio.CancelledError:
             raise  # released by whoever cancelled
         except Exception as exc:
@@ -180,17 +190,23 @@ class DeliveryLedger:
             self.cache.release(desc)
 
     async def _fill(self, request: Request, indices: Iterable[int], holding: _Holding,
-                    traced: bool) -> int:
-        """Data for ``request.features[i]``, i in ``indices``; returns the cache hits."""
+                    first: bool) -> int:
+        """Data for ``request.features[i]``, i in ``indices``; returns the cache hits.
+
+        The ``first`` delivery attributes each image and gives it a span (when traced)."""
         indices = list(indices)
         hits = 0
         with self.cache.pinned([request.features[i].identifier for i in indices]):
             for i in indices:
                 f, media = request.features[i], request.media[i]
-                trace = request.trace if traced else None
+                trace = request.trace if first else None
                 with image_span(trace, f.identifier, f.mm_position.length, media) as span:
                     data, hit = await self._data(f.identifier, media, holding)
-                    span.done(self.cache.kind, hit, data)
+                    self.reuse.observe(f.identifier, self.cache.charge(data))
+                    if first:
+                        record = request.images[i]
+                        record.delivered(hit, data, "" if hit else self.cache.refusal(data))
+                        span.done(record.cache, record.refused_reason, record.transport, data)
                 request.features[i] = replace(f, data=data)
                 hits += hit
         return hits
@@ -321,6 +337,10 @@ class DeliveryLedger:
             for desc in refs:
                 counts[desc.monotonic_id] += desc.refs
         return counts
+
+    def holders(self) -> set[Request]:
+        """Requests holding or acquiring references now (not yet sent, or re-delivered)."""
+        return set(self._holdings)
 
     def stats(self) -> LedgerStats:
         held = sum(d.refs for h in self._holdings.values() for d in h.refs)

@@ -39,6 +39,7 @@ from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
+from tandem.reuse_curve import ReuseCurve, capacities_around
 from tandem.shm import ShmError
 from tandem.text import ChatMessage, HFTokenizer, TextPart, Tokenizer, load_tokenizer
 from tandem.v1 import generate_pb2, worker_pb2
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 _DESCRIBE_TIMEOUT_S = 30.0
 _RECONNECT_TIMEOUT_S = 2.0
+# NOTE: the scheduler knows no memory bound for its recommendation; the operator caps it
+# by the node's (docs/cache-sizing.md). Any bound here would only hide the curve's answer.
+_UNBOUNDED_BYTES = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,9 @@ class Engine:
         self.errors = 0  # unexpected errors the loop caught
         self.invariant_checks = 0  # passed, with TANDEM_DEBUG_INVARIANTS=1
         self.counters = SchedulerCounters()
+        # Every processor-cache reference since start (the delivery ledger feeds it); it
+        # outlives resets like the counters: the stream it measures is the clients'.
+        self.reuse = ReuseCurve()
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
         self.model: ModelInfo | None = None
@@ -129,7 +136,7 @@ class Engine:
         self.inputs = InputProcessor(c.limits, images, max_tokens, self.tokenizer,
                                      self.model.vocab_size)
         self.ledger = DeliveryLedger(self.cache, self.inputs.process, self._offload,
-                                     self._redelivered)
+                                     self._redelivered, self.reuse)
         self._reset_state()
         self._spawn(self._run(), "engine-loop")
         self._set_serving(True)
@@ -294,6 +301,7 @@ class Engine:
         if isinstance(self.cache, ShmProcessorCache):
             self.cache.writer.check_invariants()
         self.ledger.check_invariants()
+        self.reuse.check_invariants()
 
     def _segment(self) -> tuple[str, int]:
         if isinstance(self.cache, ShmProcessorCache):
@@ -407,7 +415,27 @@ class Engine:
             msg.prefix_cache_blocks = kv.prefix_cache_blocks
             msg.prefix_cache_hit_tokens_total = self.counters.prefix_cache_hit_tokens
             msg.kv_blocks_total, msg.kv_blocks_free = kv.pool.num_blocks, kv.num_free_blocks
+            held = self.ledger.holders() if self.ledger is not None else set()
+            msg.requests_in_flight = len(held | set(self.scheduler.requests.values()))
+        self._curve_stats(msg)
         return msg
+
+    def _curve_stats(self, msg: generate_pb2.CacheStatsResponse) -> None:
+        """The reuse curve's part of CacheStats: points around the current capacity (for
+        ``none``, around --mm-cache-size: what that cache would give), the achievable hit
+        ratio and the recommended size (docs/cache-sizing.md)."""
+        msg.mm_cache_capacity_bytes = self.cache.capacity
+        curve = self.reuse
+        msg.mm_cache_curve_references = curve.references
+        if not curve.references:
+            return
+        snap = curve.snapshot(capacities_around(self.cache.capacity or self.config.mm_cache_size))
+        msg.mm_cache_curve.extend(generate_pb2.CurvePoint(capacity_bytes=p.capacity_bytes,
+                                                          hit_ratio=p.hit_ratio)
+                                  for p in snap.points)
+        msg.mm_cache_achievable_hit_ratio = snap.achievable_hit_ratio
+        msg.mm_cache_recommended_bytes = curve.recommend(
+            self.config.mm_cache_target_fraction, _UNBOUNDED_BYTES) or 0
 
     def model_info(self) -> generate_pb2.GetModelInfoResponse:
         """The served model and the request limits (docs/api.md, GetModelInfo)."""

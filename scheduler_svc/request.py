@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler_svc.image_usage import ImageRecord
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from scheduler_svc.request_trace import RequestTrace
 from tandem.features import MultiModalFeatureSpec
@@ -60,6 +61,8 @@ class Request:
     (:mod:`scheduler_svc.delivery`), which alone fills and replaces that data. ``media``
     are the client's images, kept so a preempted request whose SHM objects were evicted
     can be processed again. ``trace`` is the request's span while tracing is on, else None.
+    ``images`` attribute each image's work (:mod:`scheduler_svc.image_usage`), one record
+    per feature.
 
     ``repr`` leaves out what a log must not show (docs/security.md): token ids, the cache
     salt, images and the trace.
@@ -85,6 +88,10 @@ class Request:
         default_factory=asyncio.Queue, repr=False
     )
     trace: RequestTrace | None = field(default=None, repr=False)
+    images: list[ImageRecord] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.images = [ImageRecord.of(f) for f in self.features]
 
     @property
     def num_tokens(self) -> int:

@@ -102,8 +102,12 @@ class RequestTelemetry:
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self.trace is not None:  # a request rejected before it existed has no usage
-            usage = {} if self.request is None else usage_attributes(self.request, self.model)
-            self.trace.end(usage, error)
+            request = self.request
+            usage = {} if request is None else usage_attributes(request, self.model)
+            cached = 0 if request is None else max(request.num_cached_tokens, 0)
+            images = [] if request is None else [r.span_attributes(cached)
+                                                 for r in request.images]
+            self.trace.end(usage, error, images)
         if self._latency is not None and error is None and self.request is not None:
             ttft = None if self._first_token is None else self._first_token - self.start
             self._latency.observe(ttft, time.monotonic() - self.start,

@@ -11,12 +11,20 @@ depending on the scheduler.
 
 Spans exist only while tracing is on: elsewhere ``Request.trace`` is None. Attributes are
 counts, sizes, hash prefixes and timings, never prompt text, token ids or image bytes.
+
+An image span covers the image's delivery (lookup, processing, store), but ends with the
+request: what the encoder did with the image and how much of it the prefix cache served
+are known only once the request was scheduled, and an ended span takes no attributes.
+NOTE: it is ended with the time its delivery finished (``end_time``), so its duration is
+still the delivery's; the rejected alternative, a second span per image for the
+attribution, would split one image's facts across two spans.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from opentelemetry import trace
@@ -37,14 +45,16 @@ class ImageSpan:
     def __init__(self, span: trace.Span | None) -> None:
         self.span = span
 
-    def done(self, cache_kind: str, hit: bool, data: FeatureData) -> None:
-        """``hit``: the cache had it. Otherwise it was processed now, and stored (miss) or
-        sent inline because no cache took it (bypass: cache ``none``, or a refused put)."""
+    def done(self, result: str, refused_reason: str, transport: str,
+             data: FeatureData) -> None:
+        """The delivery's outcome: the processor cache's ``result`` (hit, miss, refused for
+        ``refused_reason``), the ``transport`` (shm, inline) and the ``data`` sent."""
         if self.span is None:
             return
-        refused = cache_kind == "shm" and not isinstance(data, ShmDescriptor)
-        result = "hit" if hit else ("bypass" if cache_kind == "none" or refused else "miss")
-        self.span.set_attribute("tandem.mm.cache.result", result)
+        self.span.set_attributes({"tandem.mm.cache.result": result,
+                                  "tandem.mm.transport": transport})
+        if refused_reason:
+            self.span.set_attribute("tandem.mm.cache.refused_reason", refused_reason)
         if isinstance(data, ShmDescriptor):
             self.span.set_attributes({
                 "tandem.shm.address": data.address, "tandem.shm.monotonic_id": data.monotonic_id,
@@ -73,6 +83,7 @@ class RequestTrace:
             if s.HasField(name):
                 attributes[f"gen_ai.request.{name}"] = getattr(s, name)
         self.model = model
+        self._images: list[tuple[trace.Span, int]] = []  # delivered: (span, its end in ns)
         self.span = tracing.tracer().start_span(
             f"generate_content {model}", kind=trace.SpanKind.INTERNAL, attributes=attributes)
         self.traceparent = tracing.traceparent(self.span)
@@ -92,12 +103,21 @@ class RequestTrace:
             yield ImageSpan(span)
         except BaseException as exc:
             _set_error(span, exc)
-            raise
-        finally:
             span.end()
+            raise
+        self._images.append((span, time.time_ns()))  # ended by end(), at this time
 
-    def end(self, attributes: Mapping[str, AttributeValue], error: BaseException | None) -> None:
-        """Set the final ``attributes`` (usage, cache figures) and the error, if any; end."""
+    def end(self, attributes: Mapping[str, AttributeValue], error: BaseException | None,
+            images: Sequence[Mapping[str, AttributeValue]] = ()) -> None:
+        """Set the final ``attributes`` (usage, cache figures) and the error, if any; end.
+
+        ``images`` holds the final attributes of each delivered image, in prompt order
+        (shorter when the request ended before it was scheduled)."""
+        for i, (span, ended) in enumerate(self._images):
+            if i < len(images):
+                span.set_attributes(images[i])
+            span.end(end_time=ended)
+        self._images = []
         self.span.set_attributes(attributes)
         if error is not None:
             _set_error(self.span, error)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.encoder_cache import EncoderCacheManager
+from scheduler_svc.image_usage import record_encoder
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, Status, StepOutput
 from tandem.v1 import generate_pb2
@@ -257,6 +258,7 @@ class Scheduler:
         return budget, encoder_budget
 
     def _commit(self, request: Request, n: int, enc: list[int], out: SchedulerOutput) -> None:
+        record_encoder(request.images, request.features, request.num_computed_tokens, n, enc)
         for i in enc:
             f = request.features[i]
             self.encoder.allocate(request.request_id, f.identifier, f.mm_position.length)

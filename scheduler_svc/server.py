@@ -139,6 +139,12 @@ def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
         "tandem_invariant_checks_total": engine.invariant_checks,
         "tandem_kv_blocks_total": stats.kv_blocks_total,
         "tandem_kv_blocks_free": stats.kv_blocks_free,
+        "tandem_mm_cache_capacity_bytes": stats.mm_cache_capacity_bytes,
+        "tandem_mm_cache_estimated_hit_ratio": {str(p.capacity_bytes): p.hit_ratio
+                                                for p in stats.mm_cache_curve},
+        "tandem_mm_cache_achievable_hit_ratio": stats.mm_cache_achievable_hit_ratio,
+        "tandem_mm_cache_recommended_bytes": stats.mm_cache_recommended_bytes,
+        "tandem_mm_cache_curve_references_total": stats.mm_cache_curve_references,
     }
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from scheduler_svc.engine import Engine
+from scheduler_svc.image_usage import usage_images
 from scheduler_svc.request import Request, StepOutput
 from scheduler_svc.request_telemetry import RequestTelemetry
 from tandem.metrics import RequestLatency
@@ -51,7 +52,8 @@ def to_response(req: Request, out: StepOutput,
         msg.usage.CopyFrom(generate_pb2.Usage(
             prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output_tokens,
             cached_prompt_tokens=max(req.num_cached_tokens, 0), mm_items=len(req.features),
-            mm_cache_hits=req.mm_cache_hits, encoder_runs=req.encoder_runs))
+            mm_cache_hits=req.mm_cache_hits, encoder_runs=req.encoder_runs,
+            images=usage_images(req.images, req.num_cached_tokens)))
     else:
         msg.text = text
     return msg

@@ -49,6 +49,17 @@ METRICS: dict[str, tuple[str, str]] = {
         (COUNTER, "Unexpected errors the engine loop caught (each failed the cell's requests)"),
     "tandem_invariant_checks_total":
         (COUNTER, "Whole-cell invariant checks passed (TANDEM_DEBUG_INVARIANTS=1, every step)"),
+    "tandem_mm_cache_capacity_bytes": (GAUGE, "Bytes the processor cache may hold"),
+    "tandem_mm_cache_estimated_hit_ratio":
+        (GAUGE, "Estimated LRU hit ratio of the images seen so far at a processor-cache "
+                "capacity (docs/cache-sizing.md), by capacity in bytes"),
+    "tandem_mm_cache_achievable_hit_ratio":
+        (GAUGE, "Hit ratio an unbounded processor cache would have had on the images seen"),
+    "tandem_mm_cache_recommended_bytes":
+        (GAUGE, "Smallest processor cache reaching --mm-cache-target-fraction of the "
+                "achievable hit ratio (0 before any image)"),
+    "tandem_mm_cache_curve_references_total":
+        (COUNTER, "Image references the hit-ratio estimate has seen"),
     "tandem_kv_blocks_total": (GAUGE, "KV blocks of the cell"),
     "tandem_kv_blocks_free": (GAUGE, "KV blocks free (cached-but-unreferenced included)"),
     "tandem_steps_total": (COUNTER, "Steps run by this worker"),
@@ -57,7 +68,8 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 # Metrics whose value is a mapping: label value -> sample, under this one label name.
-LABELS: dict[str, str] = {"tandem_mm_cache_refused_total": "reason"}
+LABELS: dict[str, str] = {"tandem_mm_cache_refused_total": "reason",
+                          "tandem_mm_cache_estimated_hit_ratio": "capacity_bytes"}
 
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0)

@@ -16,6 +16,10 @@ caller, which also owns what the references must become (``scheduler_svc/deliver
   inline, and the refusal is counted and logged.
 * ``lru``: an in-process LRU of processed items; hits skip processing, data travels inline.
 * ``none``: every image is processed every time.
+
+Each cache also says what it charges for an object (:meth:`ProcessorCache.charge`, the
+size the reuse curve of docs/cache-sizing.md must see) and why it did not keep one
+(:meth:`ProcessorCache.refusal`, for the per-image attribution of a request's usage).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tandem.feature_codec import item_to_parts
 from tandem.features import FeatureData, MultiModalKwargsItem
 from tandem.shm import ShmDescriptor, ShmWriter
 from tandem.shm import errors as shm_errors
+from tandem.shm.segment import CHUNK_ALIGN, chunk_header_size, round_up
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class ProcessorCache:
     """Base: the ``none`` cache, and the counters every cache keeps."""
 
     kind = "none"
+    capacity = 0  # bytes the cache may hold
 
     def __init__(self) -> None:
         self._hits = 0
@@ -70,6 +76,18 @@ class ProcessorCache:
 
     def release(self, data: FeatureData) -> None:
         """Give back what :meth:`lookup`/:meth:`store` returned when it will never be delivered."""
+
+    def charge(self, data: FeatureData) -> int:
+        """Bytes this cache charges (or would charge) for the object ``data`` stands for:
+        what a reference weighs in the reuse curve. Processed items weigh their tensors."""
+        if not isinstance(data, MultiModalKwargsItem):
+            raise TypeError(f"no processed object to charge: {type(data).__name__}")
+        return data.nbytes
+
+    def refusal(self, data: FeatureData) -> str:
+        """Why the cache does not hold the object :meth:`store` returned as ``data``
+        ("" when it does): ``none`` holds nothing ("disabled")."""
+        return "disabled"
 
     def counters(self) -> CacheCounters:
         return CacheCounters(self._hits, self._misses, dict(self._refused))
@@ -112,6 +130,9 @@ class LruProcessorCache(ProcessorCache):
     def used_bytes(self) -> int:
         return self._bytes
 
+    def refusal(self, data: FeatureData) -> str:
+        return "oversize" if self.charge(data) > self.capacity else ""
+
 
 class ShmProcessorCache(ProcessorCache):
     """Sender side of the shared segment: the scheduler is its only writer.
@@ -127,6 +148,7 @@ class ShmProcessorCache(ProcessorCache):
         super().__init__()
         self.writer = ShmWriter(Path(shm_dir) / SEGMENT_FILE, capacity, n_readers,
                                 max_object_size, mode=mode)
+        self.capacity = self.writer.capacity  # rounded down to the chunk alignment
 
     @contextmanager
     def pinned(self, keys: Iterable[str]) -> Iterator[None]:
@@ -160,5 +182,32 @@ class ShmProcessorCache(ProcessorCache):
         if isinstance(data, ShmDescriptor):
             self.writer.release(data)
 
+    def charge(self, data: FeatureData) -> int:
+        """The chunk the ring allocates: header and payload, rounded up to 64 bytes (for an
+        item the segment refused, the chunk it would have taken)."""
+        if isinstance(data, ShmDescriptor):
+            nbytes = data.nbytes
+        elif isinstance(data, MultiModalKwargsItem):
+            nbytes = _encoded_nbytes(data)
+        else:
+            raise TypeError(f"no object to charge: {type(data).__name__}")
+        return round_up(chunk_header_size(self.writer.n_readers) + nbytes, CHUNK_ALIGN)
+
+    def refusal(self, data: FeatureData) -> str:
+        """The reason :meth:`store` refused an item that came back inline: "oversize" when
+        it can never fit (over the per-object cap or the whole segment), else "full"."""
+        if isinstance(data, ShmDescriptor):
+            return ""
+        if (isinstance(data, MultiModalKwargsItem)
+                and _encoded_nbytes(data) <= self.writer.max_object_size
+                and self.charge(data) <= self.writer.capacity):
+            return "full"
+        return "oversize"
+
     def close(self) -> None:
         self.writer.close()
+
+
+def _encoded_nbytes(item: MultiModalKwargsItem) -> int:
+    """Payload bytes of ``item`` in the segment (its header, padding and tensors)."""
+    return sum(memoryview(part).nbytes for part in item_to_parts(item))

@@ -37,6 +37,17 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def fraction_arg(text: str) -> float:
+    """A number in (0, 1], for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TANDEM_{name}", default)
 
@@ -74,6 +85,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-cache-size", type=size_arg, default=_env("MM_CACHE_SIZE", "256Mi"))
     p.add_argument("--mm-cache-max-object-size", type=size_arg,
                    default=_env("MM_CACHE_MAX_OBJECT_SIZE", "64Mi"))
+    p.add_argument("--mm-cache-target-fraction", type=fraction_arg,
+                   default=_env("MM_CACHE_TARGET_FRACTION", "0.95"),
+                   help="CacheStats recommends the smallest cache reaching this fraction of "
+                        "the hit ratio an unbounded one would get (docs/cache-sizing.md)")
     p.add_argument("--shm-group-mode", action=argparse.BooleanOptionalAction,
                    default=_bool_env("SHM_GROUP_MODE", False))
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -174,6 +189,7 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
     return SchedulerConfig(
         model=args.model, listen=args.listen, shm_dir=args.shm_dir, mm_cache=args.mm_cache,
         mm_cache_size=args.mm_cache_size, mm_cache_max_object_size=args.mm_cache_max_object_size,
+        mm_cache_target_fraction=args.mm_cache_target_fraction,
         shm_group_mode=args.shm_group_mode, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, worker_addresses=tuple(addresses),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import grpc
 
+from tandem.cell_stats import format_value
 from tandem.tls import TlsFiles, channel_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_cli.attribution import usage_columns
 
 IMAGE_MARKER = "<image>"  # where --image files go in the prompt (the built-in models' marker)
 
@@ -120,6 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{reason.lower()}] prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} "
               f"cached), {u.completion_tokens} generated; images {u.mm_items} "
               f"({u.mm_cache_hits} cache hits, {u.encoder_runs} encoded)", file=sys.stderr)
+        for i, image in enumerate(u.images, 1):
+            print(f"  image {i}  {usage_columns(image)}", file=sys.stderr)
     print(f"ttft {1000 * (ttft or total):.1f} ms, total {1000 * total:.1f} ms", file=sys.stderr)
     return 0
 
@@ -142,6 +146,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def format_stats(stats: generate_pb2.CacheStatsResponse) -> str:
-    rows = [(field.name, getattr(stats, field.name)) for field in stats.DESCRIPTOR.fields]
+    rows = [(field.name, format_value(stats, field.name)) for field in stats.DESCRIPTOR.fields]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem_cli import attribution
+
 REQUEST_SPAN_PREFIX = "generate_content "
 IMAGE_SPAN = "tandem.mm.process"
 STEP_SPAN = "tandem.worker.step"
@@ -165,13 +167,20 @@ def _request_columns(a: dict[str, Any]) -> str:
 
 
 def _image_columns(a: dict[str, Any]) -> str:
-    columns = f"{a.get('tandem.mm.cache.result', '?'):<6} hash {a.get('tandem.mm.hash', '?')}"
+    """The columns of ``tandem generate``'s image lines, then where the data went."""
+    line = attribution.columns(str(a.get("tandem.mm.hash", "?")),
+                               str(a.get("tandem.mm.cache.result", "?")),
+                               str(a.get("tandem.mm.cache.refused_reason", "")),
+                               str(a.get("tandem.mm.transport", "?")),
+                               str(a.get("tandem.mm.encoder.result", "?")),
+                               a.get("tandem.mm.cached_tokens", "?"),
+                               a.get("tandem.mm.num_tokens", "?"))
     if "tandem.shm.address" in a:
-        columns += (f"  shm @{a['tandem.shm.address']} id {a.get('tandem.shm.monotonic_id')} "
-                    f"{_size(a.get('tandem.shm.object_bytes', 0))}")
+        line += (f"  @{a['tandem.shm.address']} id {a.get('tandem.shm.monotonic_id')} "
+                 f"{_size(a.get('tandem.shm.object_bytes', 0))}")
     elif "tandem.mm.processed_bytes" in a:
-        columns += f"  inline {_size(a['tandem.mm.processed_bytes'])}"
-    return columns
+        line += f"  {_size(a['tandem.mm.processed_bytes'])}"
+    return line
 
 
 def _step_rows(steps: list[Span]) -> list[tuple[str, float, str]]:

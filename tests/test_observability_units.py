@@ -49,6 +49,9 @@ def _write_request(path: Path) -> tuple[str, str]:
         with scheduler.start_as_current_span("tandem.mm.process") as image:
             image.set_attributes({"tandem.mm.cache.result": "hit",
                                   "tandem.mm.hash": "0123456789abcdef",
+                                  "tandem.mm.transport": "shm", "tandem.mm.num_tokens": 64,
+                                  "tandem.mm.encoder.result": "skipped",
+                                  "tandem.mm.cached_tokens": 64,
                                   "tandem.shm.address": 4096, "tandem.shm.monotonic_id": 7,
                                   "tandem.shm.object_bytes": 2048})
         link = tracing.link_to(tracing.traceparent(request))
@@ -89,8 +92,10 @@ def test_view_draws_the_request_tree(tmp_path: Path) -> None:
     assert lines[1].startswith("/tandem.v1.Generation/Generate")
     assert "generate_content tiny" in lines[2]
     assert "prompt 83 cached 80 (96%) | images 1 mm hits 1 encoder 0 | out 4 length" in lines[2]
-    assert "tandem.mm.process" in lines[3] and "hit    hash 0123456789abcdef" in lines[3]
-    assert "shm @4096 id 7 2.0 KiB" in lines[3]
+    assert "tandem.mm.process" in lines[3]
+    assert lines[3].split("ms  ")[1].split() == [
+        "0123456789abcdef", "cache", "hit", "shm", "encoder", "skipped", "prefix", "64/64",
+        "tokens", "@4096", "id", "7", "2.0", "KiB"]
     assert "tandem.worker.step x1 (linked)" in lines[4] and "rank 0" in lines[4]
     assert "acked 1" in lines[4]
     assert "prefix_cache_lookup" in lines[5] and "5/5 blocks" in lines[5]

@@ -216,6 +216,32 @@ def test_stats_sum_and_per_cell_round_trip() -> None:
     assert ["mm_cache_hits_total", "7", "3", "4", "-"] in [row.split() for row in table]
 
 
+def test_stats_combine_curves_weighted_by_references() -> None:
+    """Hit ratios do not add: the total weights each cell's curve point by its references,
+    at the capacity of every cell at that factor; a cell without references counts for
+    nothing but its counters."""
+    def cell(capacity: int, refs: int, ratios: list[float], achievable: float):
+        return generate_pb2.CacheStatsResponse(
+            mm_cache_capacity_bytes=capacity, mm_cache_curve_references=refs,
+            mm_cache_achievable_hit_ratio=achievable, mm_cache_recommended_bytes=capacity,
+            mm_cache_curve=[generate_pb2.CurvePoint(capacity_bytes=int(capacity * f),
+                                                    hit_ratio=r)
+                            for f, r in zip((0.5, 1, 2), ratios, strict=True)])
+    a = cell(100, 300, [0.1, 0.4, 0.7], 0.8)
+    b = cell(200, 100, [0.5, 0.6, 0.9], 0.9)
+    idle = generate_pb2.CacheStatsResponse(mm_cache_capacity_bytes=100, mm_cache_hits_total=2)
+    total = aggregate([a, b, idle])
+    assert [p.capacity_bytes for p in total.mm_cache_curve] == [150, 300, 600]
+    assert [p.hit_ratio for p in total.mm_cache_curve] == pytest.approx([0.2, 0.45, 0.75])
+    assert total.mm_cache_achievable_hit_ratio == pytest.approx(0.825)
+    assert (total.mm_cache_curve_references, total.mm_cache_capacity_bytes,
+            total.mm_cache_recommended_bytes, total.mm_cache_hits_total) == (400, 400, 300, 2)
+    assert aggregate([idle]).mm_cache_achievable_hit_ratio == 0.0
+    table = format_per_cell(total, {"h1:1": a}).splitlines()
+    assert ["mm_cache_curve", "150:0.200,300:0.450,600:0.750", "50:0.100,100:0.400,200:0.700"] \
+        in [row.split() for row in table]
+
+
 def test_metrics_report_decisions_per_cell_and_reason() -> None:
     b = Balancer(["a:1", "b:2"], load_factor=1.0)
     for cell in b.cells:
