@@ -1,0 +1,397 @@
+"""Where a serving step's time goes, at 1, 4 and 16 decode streams, next to the bare model.
+
+One run per model (``small``, ``tiny``): a real worker subprocess and a real scheduler
+subprocess (the same ``serve`` functions ``tandem serve`` runs), clients here streaming
+``Generate`` over gRPC. Both services run with timing hooks this script installs on the
+real code paths before serving, and write one JSON line per step:
+
+* scheduler: ``Scheduler.schedule`` (scheduling), ``build_step_request`` (the step
+  message), ``WorkerPool.step`` (the round trip, wall), ``Scheduler.update`` (applying
+  results), ``to_response`` (detokenizing), and every event-loop callback's run time
+  (``asyncio.Handle._run``): the loop's busy time less the parts above is streaming to
+  clients (the servicers' generators and gRPC's own callbacks);
+* worker: ``WorkerServicer._step`` (the whole step on the worker thread, proto conversion
+  included), ``Transformer.forward`` (the model forward; synchronised on CUDA) and
+  ``StepRunner._sample``; the rest of ``_step`` is the worker's bookkeeping.
+
+The breakdown is the median over the decode steps whose batch is exactly the stream count
+(no prefill in the step). The bound is the bare model: ``model(inputs)`` on a decode batch of
+the same size captured from a ``StepRunner`` in this process, nothing else; the ratio is
+end-to-end output tokens/s (what the clients received, ramp-up included) over the bare
+batched decode rate, printed next to issue 18's target. Run::
+
+    python bench/step_overhead.py                  # small and tiny, 1/4/16 streams
+    python bench/step_overhead.py --models tiny --rounds 1 --tokens 32   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+import torch
+
+from tandem.text.byte_tokenizer import BOS_ID
+from tandem.v1 import generate_pb2_grpc
+from tandem_testing.cells import free_port, request
+from tandem_testing.environment import environment_lines
+from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
+
+BLOCK_SIZE = 16
+KV_BYTES = 256 << 20
+TARGETS = {"small": 0.85, "tiny": 0.6}  # issue 18, at 16 streams
+PROMPT = "Client {i} writes a story about the sea:"
+
+
+class StepClock:
+    """Per-step time accumulators of one process, written as one JSON line per step.
+
+    ``add`` is called by the hooks; ``boundary`` closes the record of the previous step and
+    opens the next one. Only the thread that runs the hooked code calls it (the event loop
+    in the scheduler, the step thread in the worker), so no lock is needed.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.out: TextIO = path.open("a", buffering=1)
+        self.record: dict[str, Any] = {}
+        self.started = 0.0
+
+    def add(self, key: str, seconds: float) -> None:
+        self.record[key] = self.record.get(key, 0.0) + seconds
+
+    def boundary(self, now: float) -> None:
+        if "step_id" in self.record:
+            self.record["period"] = now - self.started
+            self.out.write(json.dumps(self.record) + "\n")
+        self.record, self.started = {}, now
+
+
+def timed(clock: StepClock, owner: Any, name: str, key: str) -> None:
+    """Replace ``owner.name`` (a function or method) with one that adds its wall time."""
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            clock.add(key, time.perf_counter() - t0)
+
+    setattr(owner, name, wrapper)
+
+
+def timed_async(clock: StepClock, owner: Any, name: str, key: str) -> None:
+    original = getattr(owner, name)
+
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            clock.add(key, time.perf_counter() - t0)
+
+    setattr(owner, name, wrapper)
+
+
+def run_scheduler(config: Any, records: Path) -> None:
+    """Subprocess: the scheduler's ``serve`` with the scheduler-side hooks."""
+    from scheduler_svc import engine, scheduler, server, servicer, worker_client
+
+    clock = StepClock(records)
+    sched_cls = scheduler.Scheduler
+    schedule = sched_cls.schedule
+
+    def timed_schedule(self: Any) -> Any:
+        t0 = time.perf_counter()
+        clock.boundary(t0)
+        out = schedule(self)
+        clock.add("schedule", time.perf_counter() - t0)
+        clock.record["new"] = len(out.new_requests)
+        clock.record["running"] = len(out.new_requests) + len(out.cached_requests)
+        return out
+
+    sched_cls.schedule = timed_schedule
+    build = engine.build_step_request
+
+    def timed_build(out: Any, step_id: int, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        msg = build(out, step_id, *args)
+        clock.add("message", time.perf_counter() - t0)
+        clock.record["step_id"] = step_id
+        return msg
+
+    engine.build_step_request = timed_build
+    timed_async(clock, worker_client.WorkerPool, "step", "rpc")
+    timed(clock, sched_cls, "update", "apply")
+    timed(clock, servicer, "to_response", "detokenize")
+    timed(clock, asyncio.events.Handle, "_run", "loop_busy")
+    asyncio.run(server.serve(config))
+
+
+def run_worker(config: Any, records: Path) -> None:
+    """Subprocess: the worker's ``serve`` with the worker-side hooks."""
+    from worker_svc import model, runner, server
+
+    clock = StepClock(records)
+    step = server.WorkerServicer._step
+
+    def timed_step(self: Any, msg: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return step(self, msg)
+        finally:
+            clock.add("worker", time.perf_counter() - t0)
+            clock.record["step_id"] = msg.step_id
+            clock.boundary(time.perf_counter())
+
+    server.WorkerServicer._step = timed_step
+    forward = model.Transformer.forward
+
+    def timed_forward(self: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        logits = forward(self, *args)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        clock.add("forward", time.perf_counter() - t0)
+        return logits
+
+    model.Transformer.forward = timed_forward
+    timed(clock, runner.StepRunner, "_sample", "sample")
+    server.serve(config)
+
+
+@dataclass
+class Cell:
+    """The two service processes of one model and the files their hooks write."""
+
+    scheduler: multiprocessing.process.BaseProcess
+    worker: multiprocessing.process.BaseProcess
+    stub: generate_pb2_grpc.GenerationStub
+    channel: grpc.Channel
+    sched_records: Path
+    worker_records: Path
+
+
+def start_cell(model: str, device: str, tmp: Path) -> Cell:
+    from scheduler_svc.config import SchedulerConfig
+    from worker_svc.config import WorkerConfig
+
+    ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
+    wconf = WorkerConfig(model=model, shm_dir=str(tmp), device=device, block_size=BLOCK_SIZE,
+                         kv_cache_bytes=KV_BYTES)
+    worker = ctx.Process(target=run_worker, args=(wconf, tmp / "worker.jsonl"))
+    worker.start()
+    port = free_port()
+    sconf = SchedulerConfig(model=model, listen=f"127.0.0.1:{port}", shm_dir=str(tmp),
+                            block_size=BLOCK_SIZE,
+                            worker_addresses=(f"unix://{wconf.socket_path}",),
+                            step_timeout_s=600.0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    cell = Cell(ctx.Process(target=run_scheduler, args=(sconf, tmp / "scheduler.jsonl")),
+                worker, generate_pb2_grpc.GenerationStub(channel), channel,
+                tmp / "scheduler.jsonl", tmp / "worker.jsonl")
+    # The scheduler describes the worker once at start: start it after the worker serves.
+    deadline = time.monotonic() + 300
+    while not wconf.socket_path.exists():
+        if time.monotonic() > deadline or not worker.is_alive():
+            raise RuntimeError("the worker did not start")
+        time.sleep(0.2)
+    time.sleep(1.0)
+    cell.scheduler.start()
+    while True:
+        try:
+            list(cell.stub.Generate(request("warm up", max_tokens=2), timeout=300,
+                                    wait_for_ready=True))
+            return cell
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def stop_cell(cell: Cell) -> None:
+    cell.channel.close()
+    for proc in (cell.scheduler, cell.worker):
+        proc.terminate()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def clients(cell: Cell, streams: int, tokens: int) -> float:
+    """Output tokens/s that ``streams`` concurrent clients received, each ``tokens`` long."""
+    got = [0] * streams
+
+    def run(i: int) -> None:
+        msg = request(PROMPT.format(i=i), max_tokens=tokens, ignore_eos=True)
+        got[i] = sum(len(m.token_ids) for m in cell.stub.Generate(msg, timeout=600))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if sum(got) != streams * tokens:
+        raise RuntimeError(f"clients got {sum(got)} tokens, expected {streams * tokens}")
+    return sum(got) / (time.perf_counter() - start)
+
+
+class Bare:
+    """``model(inputs)`` alone on decode batches captured from a ``StepRunner``."""
+
+    def __init__(self, model_name: str, device_spec: str) -> None:
+        from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
+        from worker_svc.config import WorkerConfig
+        from worker_svc.runner import StepRunner
+        from worker_svc.server import kv_cache_blocks
+
+        self.device = resolve_device(device_spec)
+        dtype = compute_dtype(self.device)
+        self.model = load_model(model_name, self.device, dtype)
+        config = WorkerConfig(model=model_name, shm_dir="/nonexistent", block_size=BLOCK_SIZE,
+                              kv_cache_bytes=KV_BYTES)
+        self.model.setup_caches(kv_cache_blocks(config, self.model.config, self.device, dtype),
+                                BLOCK_SIZE)
+        self.runner = StepRunner(self.model, receiver=None)
+        self.inputs: dict[int, Any] = {}
+
+    def capture(self, batch: int) -> Any:
+        """Decode inputs of ``batch`` requests with a 40-token prompt (the clients' size)."""
+        if batch not in self.inputs:
+            captured: list[Any] = []
+            hook = self.model.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
+            tokens = [BOS_ID] + [ord("a") + i % 26 for i in range(39)]
+            try:
+                ScriptedScheduler(BLOCK_SIZE).run(self.runner.step, [
+                    ScriptedRequest(f"bare-{batch}-{b}", tokens, [], max_new_tokens=4)
+                    for b in range(batch)])
+            finally:
+                hook.remove()
+            self.inputs[batch] = captured[-1]
+        return self.inputs[batch]
+
+    @torch.inference_mode()
+    def decode_step_s(self, batch: int, reps: int = 30) -> float:
+        inputs = self.capture(batch)
+        times = []
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            self.model(inputs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[3:])
+
+
+def read_records(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines[start:]], len(lines)
+
+
+@dataclass
+class Phase:
+    """One round at one stream count: what the clients got and the step records."""
+
+    e2e_tps: float
+    bare_s: float
+    steps: list[dict[str, float]]  # decode steps of the full batch, scheduler + worker keys
+
+
+def run_phase(cell: Cell, bare: Bare, streams: int, tokens: int,
+              offsets: list[int]) -> Phase:
+    tps = clients(cell, streams, tokens)
+    time.sleep(0.3)  # the last step's records reach the files
+    sched, offsets[0] = read_records(cell.sched_records, offsets[0])
+    work, offsets[1] = read_records(cell.worker_records, offsets[1])
+    by_id = {r["step_id"]: r for r in work}
+    steps = [{**by_id[r["step_id"]], **r} for r in sched
+             if r.get("running") == streams and r.get("new") == 0 and r["step_id"] in by_id]
+    return Phase(tps, bare.decode_step_s(streams), steps)
+
+
+COLUMNS = [  # (label, how to compute it from a step record), all in ms
+    ("schedule", lambda r: r.get("schedule", 0.0)),
+    ("message", lambda r: r.get("message", 0.0)),
+    ("round trip", lambda r: r["rpc"] - r["worker"]),
+    ("worker bk", lambda r: r["worker"] - r.get("forward", 0.0) - r.get("sample", 0.0)),
+    ("forward", lambda r: r.get("forward", 0.0)),
+    ("sample", lambda r: r.get("sample", 0.0)),
+    ("apply", lambda r: r.get("apply", 0.0)),
+    ("detok", lambda r: r.get("detokenize", 0.0)),
+    ("stream", lambda r: r["loop_busy"] - r.get("schedule", 0.0) - r.get("message", 0.0)
+     - r.get("apply", 0.0) - r.get("detokenize", 0.0)),
+    ("step", lambda r: r["period"]),
+]
+
+
+def report(model: str, phases: dict[int, list[Phase]]) -> None:
+    med = statistics.median
+    print(f"\nmodel {model}: per decode step, ms (medians over full-batch decode steps; "
+          "'round trip' = RPC wall - worker handler; 'stream' = scheduler loop busy time "
+          "outside the other scheduler columns; it runs while the loop awaits the workers, "
+          "so the columns overlap and do not sum to 'step')")
+    print(f"{'streams':>7}" + "".join(f"{label:>11}" for label, _ in COLUMNS)
+          + f"{'bare':>9}{'steps':>7}")
+    for streams, rounds in phases.items():
+        steps = [s for p in rounds for s in p.steps]
+        if not steps:
+            print(f"{streams:7d}  (no full-batch decode step recorded)")
+            continue
+        cells = "".join(f"{1e3 * med(fn(s) for s in steps):11.2f}" for _, fn in COLUMNS)
+        bare = med(p.bare_s for p in rounds)
+        print(f"{streams:7d}{cells}{1e3 * bare:9.2f}{len(steps):7d}")
+    print(f"\n{'streams':>7}{'e2e tok/s':>11}{'steady tok/s':>14}{'bare tok/s':>12}"
+          f"{'e2e/bare':>10}{'steady/bare':>13}{'target':>8}")
+    for streams, rounds in phases.items():
+        steps = [s for p in rounds for s in p.steps]
+        e2e = med(p.e2e_tps for p in rounds)
+        bare = streams / med(p.bare_s for p in rounds)
+        ratio = med(p.e2e_tps * p.bare_s / streams for p in rounds)
+        steady = streams / med(s["period"] for s in steps) if steps else float("nan")
+        target = f"{TARGETS[model]:.2f}" if streams == 16 and model in TARGETS else "-"
+        print(f"{streams:7d}{e2e:11.0f}{steady:14.0f}{bare:12.0f}{ratio:10.2f}"
+              f"{steady / bare:13.2f}{target:>8}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["small", "tiny"])
+    ap.add_argument("--streams", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--tokens", type=int, default=64, help="output tokens per client")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per model")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    print("\n".join(environment_lines()))
+    print(f"{args.tokens} output tokens per client, {args.rounds} rounds, streams "
+          f"{args.streams}, device {args.device}")
+    for model in args.models:
+        bare = Bare(model, args.device)
+        with tempfile.TemporaryDirectory(prefix="tandem-steps-") as tmp:
+            cell = start_cell(model, args.device, Path(tmp))
+            try:
+                offsets = [len(p.read_text().splitlines()) if p.exists() else 0
+                           for p in (cell.sched_records, cell.worker_records)]
+                for s in args.streams:  # warm-up round, dropped
+                    run_phase(cell, bare, s, min(args.tokens, 16), offsets)
+                phases: dict[int, list[Phase]] = {s: [] for s in args.streams}
+                for _ in range(args.rounds):
+                    for s in args.streams:
+                        phases[s].append(run_phase(cell, bare, s, args.tokens, offsets))
+            finally:
+                stop_cell(cell)
+        report(model, phases)
+
+
+if __name__ == "__main__":
+    main()
