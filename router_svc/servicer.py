@@ -39,7 +39,8 @@ class _TryNextCell(Exception):
 
 
 class RouterServicer(generate_pb2_grpc.GenerationServicer):
-    """Routes Generate by cache affinity and sums CacheStats over the cells."""
+    """Routes Generate by cache affinity, sums CacheStats over the cells, and answers
+    GetModelInfo from one of them."""
 
     def __init__(self, pool: CellPool, block_size: int) -> None:
         self.pool = pool
@@ -108,6 +109,22 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no cell answered CacheStats")
         context.set_trailing_metadata(per_cell_metadata(dict(zip(cells, results, strict=True))))
         return aggregate(reached)
+
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext,
+                           ) -> generate_pb2.GetModelInfoResponse:
+        """One healthy cell's answer (every cell of a deployment serves the same model),
+        its name in ``x-tandem-cell``; the next healthy cell is asked if one fails."""
+        remaining = context.time_remaining()
+        timeout = STATS_TIMEOUT_S if remaining is None else min(remaining, STATS_TIMEOUT_S)
+        for cell in [c for c in self.balancer.cells if c in self.balancer.healthy]:
+            try:
+                info = await self.pool.stubs[cell].GetModelInfo(request, timeout=timeout)
+            except grpc.aio.AioRpcError:
+                continue
+            context.set_trailing_metadata(((CELL_HEADER, cell),))
+            return info
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no cell answered GetModelInfo")
 
     async def _cell_stats(self, cell: str,
                           timeout: float) -> generate_pb2.CacheStatsResponse | None:

@@ -29,6 +29,7 @@ from scheduler_svc.image_processor import (
     process_image,
     smart_resize,
 )
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling
 from scheduler_svc.request_trace import RequestTrace
 from tandem.errors import InvalidInput
@@ -39,6 +40,7 @@ from tandem.features import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from tandem.sampling import BAD_SAMPLING, check_min_tokens, check_sampling, check_stop_strings
 from tandem.text import (
     ChatMessage,
     ContentPart,
@@ -92,29 +94,35 @@ class InputProcessor:
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=media, trace=trace,
+            text=OutputText(self.tokenizer.incremental_decoder(), sampling.stop,
+                            sampling.include_stop_str_in_output, sampling.min_tokens),
         )
 
     def sampling(self, msg: generate_pb2.GenerateRequest) -> Sampling:
+        """The request's sampling with defaults applied, every value checked (the shared
+        ranges of :mod:`tandem.sampling`, plus this server's max_tokens limit)."""
         s, lim = msg.sampling, self.limits
         max_tokens = s.max_tokens if s.HasField("max_tokens") else lim.default_max_tokens
         if not 1 <= max_tokens <= lim.max_tokens:
             raise InvalidInput(f"max_tokens must be in 1..{lim.max_tokens}, got {max_tokens}",
-                               "BAD_SAMPLING")
-        if not s.temperature >= 0:
-            raise InvalidInput(f"temperature must be >= 0, got {s.temperature}", "BAD_SAMPLING")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not 0 < top_p <= 1:
-            raise InvalidInput(f"top_p must be in (0, 1], got {top_p}", "BAD_SAMPLING")
+                               BAD_SAMPLING)
         if s.top_k < -1:
             raise InvalidInput(f"top_k must be >= -1 (0 or -1 disable it), got {s.top_k}",
-                               "BAD_SAMPLING")
-        bad_stop = [t for t in s.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise InvalidInput(f"stop_token_ids {bad_stop} are outside the vocabulary of "
-                               f"{self.vocab_size}", "BAD_SAMPLING")
-        return Sampling(max_tokens, s.temperature, top_p, max(s.top_k, 0),
-                        s.seed if s.HasField("seed") else None, frozenset(s.stop_token_ids),
-                        s.ignore_eos, frozenset(self.tokenizer.special.eos_ids))
+                               BAD_SAMPLING)
+        sampling = Sampling(
+            max_tokens, s.temperature, s.top_p if s.HasField("top_p") else 1.0,
+            max(s.top_k, 0), s.seed if s.HasField("seed") else None,
+            frozenset(s.stop_token_ids), s.ignore_eos, frozenset(self.tokenizer.special.eos_ids),
+            min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
+                                else 1.0),
+            min_p=s.min_p, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+            stop=tuple(s.stop), include_stop_str_in_output=s.include_stop_str_in_output)
+        check_sampling(sampling, self.vocab_size)
+        check_min_tokens(sampling.min_tokens, max_tokens)
+        check_stop_strings(sampling.stop)
+        return sampling
 
     def process(self, media: generate_pb2.MediaItem) -> MultiModalKwargsItem:
         """Decode and process one image (CPU-heavy: call through the offload)."""

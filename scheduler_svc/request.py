@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler_svc.image_usage import ImageRecord
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from scheduler_svc.request_trace import RequestTrace
 from tandem.features import MultiModalFeatureSpec
-from tandem.v1 import generate_pb2
+from tandem.v1 import generate_pb2, worker_pb2
 
 
 class Status(enum.Enum):
@@ -22,22 +23,44 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Validated sampling settings (the public message after defaults and checks)."""
+    """Validated sampling settings (the public message after defaults and checks; the
+    fields mean what ``generate.proto`` says, ranges in :mod:`tandem.sampling`)."""
 
     max_tokens: int
     temperature: float
     top_p: float
-    top_k: int
+    top_k: int  # 0 = off
     seed: int | None
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     eos_token_ids: frozenset[int]  # the model's end-of-sequence ids (from its files)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (the scheduler's alone: workers never see them)
+    include_stop_str_in_output: bool = False
+
+    @property
+    def ending_ids(self) -> frozenset[int]:
+        """The ids that end the request when sampled: stop ids, and EOS unless ignored."""
+        return self.stop_token_ids | (frozenset() if self.ignore_eos else self.eos_token_ids)
 
     def to_proto(self) -> generate_pb2.SamplingParams:
+        """What the workers sample with. NOTE: ``stop_token_ids`` carries every ending id
+        (EOS included) rather than the client's alone, so the workers' min_tokens mask
+        covers exactly what the scheduler would stop on, whatever ids the workers' own
+        config lists."""
         msg = generate_pb2.SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, stop_token_ids=sorted(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
+            top_k=self.top_k, stop_token_ids=sorted(self.ending_ids),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs,
         )
         if self.seed is not None:
             msg.seed = self.seed
@@ -50,6 +73,9 @@ class StepOutput:
 
     token_ids: list[int]
     finish_reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
+    text: str = ""  # the text to stream now (see scheduler_svc.output_text)
+    # With sampling.logprobs: one entry per token id (rank 0's, as the worker sent them).
+    logprobs: list[worker_pb2.SampledLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -61,11 +87,13 @@ class Request:
     (:mod:`scheduler_svc.delivery`), which alone fills and replaces that data. ``media``
     are the client's images, kept so a preempted request whose SHM objects were evicted
     can be processed again. ``trace`` is the request's span while tracing is on, else None.
-    ``images`` attribute each image's work (:mod:`scheduler_svc.image_usage`), one record
-    per feature.
+
+    ``text`` decodes the outputs and finds stop strings; it lives as long as the request,
+    so a preemption does not touch it. ``images`` attribute each image's work
+    (:mod:`scheduler_svc.image_usage`), one record per feature.
 
     ``repr`` leaves out what a log must not show (docs/security.md): token ids, the cache
-    salt, images and the trace.
+    salt, text, images and the trace.
     """
 
     request_id: str
@@ -74,6 +102,7 @@ class Request:
     features: list[MultiModalFeatureSpec]
     sampling: Sampling
     cache_salt: str = field(repr=False)
+    text: OutputText = field(repr=False)
     media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
     mm_cache_hits: int = 0
     status: Status = Status.WAITING

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.image_usage import record_encoder
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, Status, StepOutput
-from tandem.v1 import generate_pb2
+from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,13 @@ class Scheduler:
         out.encoder_inputs.pop(request.request_id, None)
         out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]
 
-    def update(self, out: SchedulerOutput,
-               sampled: dict[str, list[int]]) -> list[tuple[Request, StepOutput]]:
-        """Apply a finished step: advance computed tokens, append samples, check stops."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+               logprobs: Mapping[str, Sequence[worker_pb2.SampledLogprobs]] | None = None,
+               ) -> list[tuple[Request, StepOutput]]:
+        """Apply a finished step: advance computed tokens, append samples, check stops
+        (ids and length here, stop strings in the request's text), decode the text.
+
+        ``logprobs`` has an entry per token of ``sampled`` for requests that asked."""
         results: list[tuple[Request, StepOutput]] = []
         for request_id, n in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
@@ -345,22 +349,38 @@ class Scheduler:
             if not new:
                 self.kv.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)
                 continue
-            new, reason = _apply_stop(request, new)
-            request.token_ids.extend(new)
-            request.update_block_hashes(self.kv.block_size)
-            self.kv.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)
-            if reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                self.finish(request, reason)
-            results.append((request, StepOutput(new, reason)))
+            results.append((request, self._append(
+                request, new, (logprobs or {}).get(request_id, ()))))
         return results
+
+    def _append(self, request: Request, new: list[int],
+                logprobs: Sequence[worker_pb2.SampledLogprobs]) -> StepOutput:
+        """Append ``new`` up to its first stop and finish the request there, if any."""
+        new, reason = _apply_stop(request, new)
+        delta = request.text.feed(new, request.num_output_tokens)
+        if delta.stopped:
+            new, reason = new[:delta.kept], generate_pb2.FINISH_REASON_STOP
+        request.token_ids.extend(new)
+        request.update_block_hashes(self.kv.block_size)
+        self.kv.cache_blocks(request.request_id, request.block_hashes,
+                             request.num_computed_tokens)
+        text = delta.text
+        if reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+            text += request.text.finish()
+            self.finish(request, reason)
+        return StepOutput(new, reason, text, list(logprobs[:len(new)]))
 
 
 def _apply_stop(request: Request, new: list[int]) -> tuple[list[int], int]:
-    """Truncate ``new`` at the first stop condition; the finish reason (or UNSPECIFIED)."""
+    """Truncate ``new`` at the first stop id or length; the finish reason (or UNSPECIFIED).
+
+    Under ``min_tokens`` no id ends the request (the workers mask them; this is the rule,
+    whatever was sampled)."""
     s = request.sampling
     for i, token in enumerate(new):
-        if (token in s.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+        outputs = request.num_output_tokens + i + 1
+        if token in s.ending_ids and outputs > s.min_tokens:
             return new[: i + 1], generate_pb2.FINISH_REASON_STOP
-        if request.num_output_tokens + i + 1 >= s.max_tokens:
+        if outputs >= s.max_tokens:
             return new[: i + 1], generate_pb2.FINISH_REASON_LENGTH
     return new, generate_pb2.FINISH_REASON_UNSPECIFIED

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -11,12 +11,12 @@ from scheduler_svc.image_usage import usage_images
 from scheduler_svc.request import Request, StepOutput
 from scheduler_svc.request_telemetry import RequestTelemetry
 from tandem.metrics import RequestLatency
-from tandem.text import IncrementalDecoder
-from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem.text import Tokenizer
+from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    """Generate (server stream, one message per step) and CacheStats."""
+    """Generate (server stream, one message per step), CacheStats and GetModelInfo."""
 
     def __init__(self, engine: Engine, latency: RequestLatency | None = None) -> None:
         self.engine = engine
@@ -25,7 +25,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        decoder = self.engine.tokenizer.incremental_decoder()
         first = True
         model = self.engine.model.name if self.engine.model is not None else "unknown"
         with RequestTelemetry(model, request, self.latency) as telemetry:
@@ -34,26 +33,47 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     await context.send_initial_metadata((("x-request-id", req.request_id),))
                     first = False
                 telemetry.output(req, out.token_ids)
-                yield to_response(req, out, decoder)
+                yield to_response(req, out, self.engine.tokenizer)
 
     async def CacheStats(self, request: generate_pb2.CacheStatsRequest,
                          context: grpc.aio.ServicerContext) -> generate_pb2.CacheStatsResponse:
         return self.engine.cache_stats()
 
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext,
+                           ) -> generate_pb2.GetModelInfoResponse:
+        return self.engine.model_info()
+
 
 def to_response(req: Request, out: StepOutput,
-                decoder: IncrementalDecoder) -> generate_pb2.GenerateResponse:
+                tokenizer: Tokenizer) -> generate_pb2.GenerateResponse:
     """One stream message; the last carries the finish reason and usage."""
-    text = decoder.feed(out.token_ids)
-    msg = generate_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.token_ids,
-                                        finish_reason=out.finish_reason)
+    msg = generate_pb2.GenerateResponse(
+        request_id=req.request_id, token_ids=out.token_ids, text=out.text,
+        finish_reason=out.finish_reason,
+        logprobs=logprobs_to_proto(out.token_ids, out.logprobs, tokenizer))
     if out.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-        msg.text = text + decoder.flush()
         msg.usage.CopyFrom(generate_pb2.Usage(
             prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output_tokens,
             cached_prompt_tokens=max(req.num_cached_tokens, 0), mm_items=len(req.features),
             mm_cache_hits=req.mm_cache_hits, encoder_runs=req.encoder_runs,
             images=usage_images(req.images, req.num_cached_tokens)))
-    else:
-        msg.text = text
     return msg
+
+
+def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[worker_pb2.SampledLogprobs],
+                      tokenizer: Tokenizer) -> list[generate_pb2.PositionLogprobs]:
+    """The workers' logprobs of ``token_ids`` (one each, or none) with each token's text."""
+    if not logprobs:
+        return []
+
+    def token(token_id: int, logprob: float) -> generate_pb2.TokenLogprob:
+        return generate_pb2.TokenLogprob(
+            token_id=token_id, logprob=logprob,
+            text=tokenizer.decode([token_id], skip_special_tokens=False))
+
+    return [generate_pb2.PositionLogprobs(
+        token=token(t, lp.logprob),
+        top_logprobs=[token(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs,
+                                                  strict=True)])
+        for t, lp in zip(token_ids, logprobs, strict=True)]

@@ -24,6 +24,8 @@ _CHANNEL_OPTIONS = [
 @dataclass(frozen=True, slots=True)
 class StepResult:
     sampled: dict[str, list[int]]  # rank 0's samples
+    # rank 0's logprobs, one per sampled token, for the requests that asked
+    logprobs: dict[str, list[worker_pb2.SampledLogprobs]]
     shm_resolved: int  # summed over workers
     shm_acked: int
     encoder_runs: int  # rank 0's
@@ -83,6 +85,7 @@ class WorkerPool:
         ok: list[worker_pb2.StepResponse] = results  # type: ignore[assignment]
         return StepResult(
             sampled={k: list(v.token_ids) for k, v in ok[0].sampled.items()},
+            logprobs={k: list(v.logprobs) for k, v in ok[0].sampled.items() if v.logprobs},
             shm_resolved=sum(r.shm_resolved for r in ok),
             shm_acked=sum(r.shm_acked for r in ok),
             encoder_runs=ok[0].encoder_runs,

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from scheduler_svc.delivery import DeliveryLedger
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling
 from tandem.features import FieldElem, MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from tandem.processor_cache import ShmProcessorCache
 from tandem.shm import ShmDescriptor, ShmReader
+from tandem.text import ByteTokenizer
 from tandem.v1 import generate_pb2
 
 KiB = 1024
@@ -26,6 +28,7 @@ def _request(rid: str, keys: list[str]) -> Request:
                 for i, k in enumerate(keys)]
     sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, [0] * 40, 40, features, sampling,
+                   text=OutputText(ByteTokenizer().incremental_decoder()),
                    cache_salt="", media=[generate_pb2.MediaItem(uuid=k) for k in keys])
 
 

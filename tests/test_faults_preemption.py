@@ -23,9 +23,11 @@ from workers import running_worker
 
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from scheduler_svc.step_message import build_step_request
+from tandem.text import ByteTokenizer
 from tandem.v1 import worker_pb2
 from tandem_testing.cells import png, request
 from tandem_testing.scripted import synthetic_image, synthetic_prompt
@@ -45,7 +47,8 @@ NUM_BLOCKS = 20
 def _request(rid: str, image: tuple, text: str, max_tokens: int) -> Request:
     tokens, features = synthetic_prompt(CONFIG, [f"Look {text}: ", " then answer."], [image])
     sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), True, frozenset())
-    return Request(rid, tokens, len(tokens), list(features), sampling, cache_salt="")
+    return Request(rid, tokens, len(tokens), list(features), sampling, cache_salt="",
+                   text=OutputText(ByteTokenizer().incremental_decoder()))
 
 
 class Cell:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from scheduler_svc.delivery import DeliveryLedger
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling
 from tandem.errors import FailedPrecondition
 from tandem.features import FieldElem, MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
@@ -23,6 +24,7 @@ from tandem.processor_cache import LruProcessorCache, ProcessorCache, ShmProcess
 from tandem.receiver_cache import ShmReceiverCache
 from tandem.shm import ShmDescriptor
 from tandem.strip import strip_covered_mm_data
+from tandem.text import ByteTokenizer
 from tandem.v1 import generate_pb2
 
 KiB = 1024
@@ -42,6 +44,7 @@ def _request(rid: str, keys: list[str], spans: list[tuple[int, int]] | None = No
                 for k, s in zip(keys, spans, strict=True)]
     sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, [0] * 40, 40, features, sampling, cache_salt="",
+                   text=OutputText(ByteTokenizer().incremental_decoder()),
                    media=[generate_pb2.MediaItem(uuid=k) for k in keys])
 
 

@@ -228,6 +228,38 @@ def test_a_paused_cell_loses_its_keys_and_gets_them_back(
         assert cell == victim.target
 
 
+def test_model_info_comes_from_a_healthy_cell(router: RouterThread, cells: list[Cell]) -> None:
+    direct = cells[0].stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+    assert direct.model_type == "tandem" and direct.HasField("image_limits")
+    routed, call = router.stub.GetModelInfo.with_call(generate_pb2.GetModelInfoRequest(),
+                                                      timeout=10)
+    assert routed == direct
+    answered = dict(call.trailing_metadata())[CELL_HEADER]
+    victim = next(c for c in cells if c.target == answered)
+    balancer = router.server.balancer
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        _wait(lambda: router.read(lambda: victim.target not in balancer.healthy))
+        again, call = router.stub.GetModelInfo.with_call(generate_pb2.GetModelInfoRequest(),
+                                                         timeout=10)
+        assert again == direct and dict(call.trailing_metadata())[CELL_HEADER] != answered
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    _wait(lambda: router.read(lambda: victim.target in balancer.healthy))
+
+
+def test_model_info_without_a_serving_cell_is_unavailable() -> None:
+    running = RouterThread(RouterConfig(cells=(f"127.0.0.1:{free_port()}",),
+                                        listen="127.0.0.1:0", health_interval=0.2))
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            running.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no cell answered GetModelInfo" in info.value.details()
+    finally:
+        running.close()
+
+
 def test_cli_router_serves_and_shuts_down_on_sigterm(cells: list[Cell], tmp_path: Path) -> None:
     port = free_port()
     targets = ",".join(c.target for c in cells[:2])

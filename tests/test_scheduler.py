@@ -9,9 +9,11 @@ import pytest
 
 from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
 from tandem.features import MultiModalFeatureSpec, PlaceholderRange
+from tandem.text import ByteTokenizer
 from tandem.text import byte_tokenizer as tokenizer
 from tandem.v1 import generate_pb2
 
@@ -27,7 +29,8 @@ def _request(rid: str, image: str | None = "img", max_tokens: int = 3, text: int
     tokens += list(range(20, 20 + text))
     sampling = Sampling(max_tokens, 0.0, 1.0, 0, None, frozenset(), False,
                         frozenset({tokenizer.EOS_ID}))
-    return Request(rid, tokens, len(tokens), features, sampling, cache_salt="")
+    return Request(rid, tokens, len(tokens), features, sampling, cache_salt="",
+                   text=OutputText(ByteTokenizer().incremental_decoder()))
 
 
 class Harness:

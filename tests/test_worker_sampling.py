@@ -4,7 +4,7 @@ A tiny random Llama checkpoint (``hf_checkpoints.py``) runs through the worker's
 path (``StepRunner`` fed by ``ScriptedScheduler``), and transformers' forward pass over
 the same tokens is the reference: logprobs equal its ``log_softmax``; greedy decoding
 with penalties equals a plain-Python implementation of vLLM's/OpenAI's penalty formulas
-written here; min-p keeps only tokens the reference deems likely enough; min_tokens
+(``sampling_reference.py``); min-p keeps only tokens the reference deems likely enough; min_tokens
 masks the end ids. Every feature gives the same result cold, with a prefix-cache hit,
 in chunked prefill and across a preemption (the request re-sent with its outputs).
 """
@@ -12,13 +12,13 @@ in chunked prefill and across a preemption (the request re-sent with its outputs
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from hf_checkpoints import reference, save
+from sampling_reference import greedy, hf_logits
 
 from tandem.errors import InvalidInput
 from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
@@ -59,12 +59,6 @@ def load(model_dir: Path) -> Transformer:
     model = load_model(str(model_dir), CPU, torch.float32)
     model.setup_caches(num_blocks=512, block_size=BLOCK_SIZE)
     return model
-
-
-def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """(len(tokens), V) float64 next-token logits of transformers over ``tokens``."""
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor([tokens])).logits[0].double()
 
 
 class Worker:
@@ -171,35 +165,13 @@ def test_logprobs_only_for_requests_that_ask(llama) -> None:
 # -- penalties --------------------------------------------------------------------------
 
 
-def reference_penalised(logits: list[float], prompt: list[int], output: list[int],
-                        presence: float, frequency: float, repetition: float) -> list[float]:
-    """vLLM's order and OpenAI's formulas, one token at a time: repetition (CTRL) over
-    prompt and output, then frequency and presence over the output."""
-    out = list(logits)
-    for t in set(prompt) | set(output):
-        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
-    for t, count in Counter(output).items():
-        out[t] -= frequency * count + presence
-    return out
-
-
-def reference_greedy(hf: torch.nn.Module, prompt: list[int], n: int, presence: float,
-                     frequency: float, repetition: float) -> list[int]:
-    output: list[int] = []
-    for _ in range(n):
-        logits = hf_logits(hf, prompt + output)[-1].tolist()
-        scores = reference_penalised(logits, prompt, output, presence, frequency, repetition)
-        output.append(max(range(len(scores)), key=scores.__getitem__))
-    return output
-
-
 @pytest.mark.parametrize("presence,frequency,repetition", [
     (0.8, 0.6, 1.0), (0.0, 0.0, 1.8), (1.0, 0.5, 1.4), (-1.5, -0.5, 0.6)])
 def test_greedy_with_penalties_equals_the_reference(llama, presence: float, frequency: float,
                                                     repetition: float) -> None:
     hf, model = llama
-    want = reference_greedy(hf, PROMPT, MAX_NEW, presence, frequency, repetition)
-    plain = reference_greedy(hf, PROMPT, MAX_NEW, 0.0, 0.0, 1.0)
+    want = greedy(hf, PROMPT, MAX_NEW, presence, frequency, repetition)
+    plain = greedy(hf, PROMPT, MAX_NEW)
     assert want != plain, "the penalties change nothing here: the test would prove little"
     sampling = SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
                               repetition_penalty=repetition)
@@ -246,8 +218,8 @@ def test_min_p_keeps_only_likely_tokens(llama) -> None:
 
     assert all(float(ref[t]) >= floor * (1 - 1e-4) for t in first_tokens(min_p))
     assert any(float(ref[t]) < floor for t in first_tokens(0.0))
-    greedy = Worker(model).run(ScriptedRequest("g", PROMPT, [], 1))[0]
-    assert set(first_tokens(1.0)) == set(greedy), "min_p 1 leaves the top token only"
+    plain = Worker(model).run(ScriptedRequest("g", PROMPT, [], 1))[0]
+    assert set(first_tokens(1.0)) == set(plain), "min_p 1 leaves the top token only"
 
 
 # -- min_tokens -------------------------------------------------------------------------
@@ -255,8 +227,8 @@ def test_min_p_keeps_only_likely_tokens(llama) -> None:
 
 def test_min_tokens_masks_stop_ids_and_eos(llama, tmp_path: Path) -> None:
     hf, model = llama
-    greedy = Worker(model).run(ScriptedRequest("g", PROMPT, [], 3))[0]
-    first = greedy[0]
+    plain = Worker(model).run(ScriptedRequest("g", PROMPT, [], 3))[0]
+    first = plain[0]
     logits = hf_logits(hf, PROMPT)[-1]
     logits[first] = -math.inf
     runner_up = int(logits.argmax())
