@@ -4,6 +4,7 @@ properties that matter when it runs (security contexts, probes, tracing wiring, 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from tandem_operator.manifests import build_service, endpoint
 from tandem_operator.placement import Cell
 from tandem_operator.spec import TandemSpec, parse_spec
 from tandem_operator.workloads import build_pod_template
+from tandem_testing.cells import free_port, running_cell
 
 CASES = [(), *((v,) for v in CI_VALUES)]
 MONITORING = "monitoring.podMonitor.enabled=true"
@@ -191,8 +193,28 @@ def test_helm_test_checks_health_then_generates(helm: dict) -> None:
     assert health["command"][:2] == ["python", "-c"] and health["command"][-1] == target
     compile(health["command"][2], "health-check", "exec")
     assert "tandem.v1.Generation" in health["command"][2]
-    (generate,) = pod["spec"]["containers"]
+    generate, openai = pod["spec"]["containers"]
     assert generate["args"] == ["generate", "--target", target, "--max-tokens", "4", "hello"]
+    # ... and the OpenAI-compatible API on the Service's http port
+    http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+    host = f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    assert openai["command"][:2] == ["python", "-c"]
+    assert openai["command"][3:] == [f"http://{host}:{http['port']}"]
+    compile(openai["command"][2], "openai-check", "exec")
+    assert len(one(render("helm4", (), ("service.http.enabled=false",)), "Pod", "test")[
+        "spec"]["containers"]) == 1
+
+
+def test_helm_test_http_script_completes_against_a_real_cell(helm: dict,
+                                                             tmp_path: Path) -> None:
+    """The openai container's script, run for real against ``tandem serve``'s HTTP port."""
+    script = one(render("helm4"), "Pod", "test")["spec"]["containers"][1]["command"][2]
+    port = free_port()
+    with running_cell(tmp_path, "--http-listen", f"127.0.0.1:{port}"):
+        out = subprocess.run([sys.executable, "-c", script, f"http://127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["usage"]["completion_tokens"] == 4
 
 
 def test_helm_test_health_script_waits_for_serving(helm: dict) -> None:
@@ -241,7 +263,8 @@ def test_hook_scripts_compile(helm: dict) -> None:
     objects = render("helm4", ALL_ON, ALL_ON_SETS)
     scripts = [c["command"][2] for _, pod in pod_specs(objects) for c in pod["containers"]
                if c.get("command", [])[:2] == ["python", "-c"]]
-    assert len(scripts) == 2  # label the namespace, delete the TandemService on uninstall
+    # label the namespace, delete the TandemService on uninstall, helm test's HTTP call
+    assert len(scripts) == 3
     for script in scripts:
         compile(script, "hook", "exec")
 
@@ -436,10 +459,11 @@ def test_tls_reaches_the_operator_and_the_helm_test_speaks_it(helm: dict,
     pod = one(objects, "Pod", "test")["spec"]
     assert {"name": "tls", "secret": {"secretName": "demo-tls", "defaultMode": 0o444}} in pod[
         "volumes"]
-    (health,), (generate,) = pod["initContainers"], pod["containers"]
+    (health,), (generate, openai) = pod["initContainers"], pod["containers"]
     flags = ["--tls-ca", "/etc/tandem/tls/ca.crt", "--tls-cert", "/etc/tandem/tls/tls.crt",
              "--tls-key", "/etc/tandem/tls/tls.key"]
     assert health["command"][-6:] == flags and generate["args"][-7:-1] == flags
+    assert openai["command"][3].startswith("https://") and openai["command"][-6:] == flags
     assert callable(build_parser().parse_args(generate["args"]).func)
     with pytest.raises(RenderError, match="clientCASecretName needs"):
         render("helm4", (), ('service.tls.clientCASecretName="ca"',))

@@ -45,6 +45,9 @@ VIOLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "demo", {"model": {"path": "/models/q", "hostPath": "/data/q/.."}}),
     "!has(self.port) || !(self.port in [9400, 9401, 50061])": (
         "demo", {"scheduler": {"port": 50061}}),
+    "!has(self.http) || !has(self.http.port) || !(self.http.port in [9400, 9401, 50061, "
+    "has(self.scheduler) && has(self.scheduler.port) ? self.scheduler.port : 50051])": (
+        "demo", {"http": {"port": 50051}}),
     "!has(self.device) || !self.device.startsWith('cuda') || !has(self.gpu) "
     "|| !has(self.gpu.count) || self.gpu.count > 0": (
         "demo", {"worker": {"device": "cuda:1", "gpu": {"count": 0}}}),

@@ -98,6 +98,7 @@ def test_configmap_carries_the_cell_settings() -> None:
                                    "unix:///var/run/tandem/worker-1.sock",
         "TANDEM_DEVICE": "auto",
         "TANDEM_HEALTH_LISTEN": "0.0.0.0:50061",
+        "TANDEM_HTTP_LISTEN": "0.0.0.0:8000",
     }
     assert cm["metadata"]["annotations"]["tandem.dev/config-hash"] == config_hash(cm["data"])
 
@@ -153,6 +154,7 @@ def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
     assert c["livenessProbe"]["failureThreshold"] > 1
     assert c["startupProbe"]["failureThreshold"] == 360
     assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "http", "containerPort": 8000, "protocol": "TCP"},
                           {"name": "health", "containerPort": 50061, "protocol": "TCP"},
                           {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert env_of(c)["TANDEM_LISTEN"] == "0.0.0.0:50051"
@@ -219,6 +221,21 @@ def test_services_select_every_cells_scheduler() -> None:
         "app.kubernetes.io/component": "scheduler"}
     assert headless["spec"]["clusterIP"] == "None" and svc["spec"]["type"] == "ClusterIP"
     assert endpoint(spec) == "dns:///demo.serving.svc:50051"
+
+
+def test_the_http_api_is_on_the_service_and_the_schedulers_unless_disabled() -> None:
+    spec = tandem_spec({"http": {"port": 8080}, "tls": {"secretName": "demo-tls"}})
+    assert build_service(spec)["spec"]["ports"][1] == {
+        "name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP",
+        "appProtocol": "https"}
+    assert build_configmap(spec, CELL)["data"]["TANDEM_HTTP_LISTEN"] == "0.0.0.0:8080"
+    container = build_pod_template(spec, CELL, "scheduler")["spec"]["containers"][0]
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    off = tandem_spec({"http": {"enabled": False}})
+    assert [p["name"] for p in build_service(off)["spec"]["ports"]] == ["grpc"]
+    assert "TANDEM_HTTP_LISTEN" not in build_configmap(off, CELL)["data"]
+    container = build_pod_template(off, CELL, "scheduler")["spec"]["containers"][0]
+    assert "http" not in {p["name"] for p in container["ports"]}
 
 
 def test_cleanup_job_is_pinned_and_removes_only_its_target() -> None:

@@ -61,6 +61,7 @@ def test_router_deployment_runs_tandem_router_and_is_probed() -> None:
     assert c["image"] == "ghcr.io/tandem-dev/tandem:0.1.0"
     assert c["envFrom"] == [{"configMapRef": {"name": "demo-router"}}]
     assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "http", "containerPort": 8000, "protocol": "TCP"},
                           {"name": "health", "containerPort": 50061, "protocol": "TCP"}]
     assert c["readinessProbe"]["grpc"] == {"port": 50061, "service": "tandem.v1.Generation"}
     assert cm_of(spec)["TANDEM_HEALTH_LISTEN"] == "0.0.0.0:50061", "health only, plaintext"

@@ -122,6 +122,8 @@ def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
     """The scheduler, a worker or the router container."""
     ports = [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}
              ] if c.public_port else []
+    if c.public_port and spec.http.enabled:
+        ports.append({"name": "http", "containerPort": spec.http.port, "protocol": "TCP"})
     ports.append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
     if c.metrics_port is not None:
         ports.append({"name": "metrics", "containerPort": c.metrics_port, "protocol": "TCP"})

@@ -104,8 +104,15 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         **tensor_parallel_config(spec, cell.index),
         **tls_config(spec),
+        **http_config(spec),
     }
     return data | tracing_config(spec)
+
+
+def http_config(spec: TandemSpec) -> dict[str, str]:
+    """TANDEM_HTTP_LISTEN of the schedulers and the router (workers ignore it); empty when
+    the HTTP API is off, so such cells' hash stays as it was."""
+    return {"TANDEM_HTTP_LISTEN": f"0.0.0.0:{spec.http.port}"} if spec.http.enabled else {}
 
 
 def tracing_config(spec: TandemSpec) -> dict[str, str]:
@@ -189,6 +196,10 @@ def build_service(spec: TandemSpec, headless: bool = False, routed: bool = False
         "ports": [{"name": "grpc", "port": spec.scheduler.port, "targetPort": "grpc",
                    "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
     }
+    if spec.http.enabled:
+        svc_spec["ports"].append({"name": "http", "port": spec.http.port, "targetPort": "http",
+                                  "protocol": "TCP",
+                                  "appProtocol": "https" if spec.tls.enabled else "http"})
     if headless:
         svc_spec["clusterIP"] = "None"
     else:

@@ -27,6 +27,7 @@ from tandem_operator.manifests import (
     TLS_DIR,
     child_name,
     config_hash,
+    http_config,
     labels,
     pod_dns,
     selector_labels,
@@ -61,7 +62,7 @@ def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
         "TANDEM_ROUTER_LOAD_FACTOR": str(spec.router.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-router",
-    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec) | http_config(spec)
 
 
 def cell_tls_config(spec: TandemSpec) -> dict[str, str]:

@@ -91,6 +91,14 @@ class SchedulerSpec:
 
 
 @dataclass(frozen=True)
+class HttpSpec:
+    """The OpenAI-compatible HTTP port of the schedulers, the router and the Service."""
+
+    enabled: bool
+    port: int
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     image: str
     workers_per_cell: int
@@ -183,6 +191,7 @@ class TandemSpec:
     def routed(self) -> bool:
         """Whether a router fronts the cells: enabled, and more than one cell to choose from."""
         return self.router.enabled and self.cells > 1
+    http: HttpSpec
 
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
@@ -283,6 +292,7 @@ def _check_name(name: str) -> None:
             "(their pods' controller-revision-hash label). Recreate it with a shorter name")
     if not NAME_PATTERN.fullmatch(name):
         raise SpecError(
+        http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
             f"the name {name!r} is not a DNS label starting with a letter (lowercase letters, "
             "digits and '-'); it names the Services, which need one. Recreate it renamed")
 
@@ -335,6 +345,10 @@ def _check_rules(s: TandemSpec) -> None:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")
 
+    if s.http.port in (*RESERVED_PORTS, s.scheduler.port):
+        raise SpecError(f"http.port {s.http.port} is taken: scheduler.port, 9400, 9401 and "
+                        "50061 are the pods' gRPC, metrics and health ports; choose another "
+                        "(default 8000)")
 
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],
                check_rules: bool = True) -> TandemSpec:
