@@ -182,6 +182,7 @@ class TandemSpec:
     tracing: TracingSpec
     router: RouterSpec
     tls: TlsSpec
+    http: HttpSpec
 
     @property
     def cache_bytes_requested(self) -> int:
@@ -191,7 +192,6 @@ class TandemSpec:
     def routed(self) -> bool:
         """Whether a router fronts the cells: enabled, and more than one cell to choose from."""
         return self.router.enabled and self.cells > 1
-    http: HttpSpec
 
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
@@ -280,6 +280,7 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
             resources=_resources(s["router"]["resources"]),
         ),
         tls=TlsSpec(s["tls"].get("secretName", ""), s["tls"].get("clientCASecretName", "")),
+        http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
     )
 
 
@@ -292,7 +293,6 @@ def _check_name(name: str) -> None:
             "(their pods' controller-revision-hash label). Recreate it with a shorter name")
     if not NAME_PATTERN.fullmatch(name):
         raise SpecError(
-        http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
             f"the name {name!r} is not a DNS label starting with a letter (lowercase letters, "
             "digits and '-'); it names the Services, which need one. Recreate it renamed")
 
@@ -333,6 +333,10 @@ def _check_rules(s: TandemSpec) -> None:
     if s.scheduler.port in RESERVED_PORTS:
         raise SpecError(f"scheduler.port {s.scheduler.port} is taken: 9400, 9401 and 50061 are "
                         "the pods' metrics and health ports; choose another (default 50051)")
+    if s.http.port in (*RESERVED_PORTS, s.scheduler.port):
+        raise SpecError(f"http.port {s.http.port} is taken: scheduler.port, 9400, 9401 and "
+                        "50061 are the pods' gRPC, metrics and health ports; choose another "
+                        "(default 8000)")
     if s.worker.device.startswith("cuda") and s.worker.gpu_count == 0:
         raise SpecError(f"worker.device {s.worker.device} needs worker.gpu.count >= 1 (it is "
                         "0): request GPUs, or set the device to cpu or auto")
@@ -345,10 +349,6 @@ def _check_rules(s: TandemSpec) -> None:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")
 
-    if s.http.port in (*RESERVED_PORTS, s.scheduler.port):
-        raise SpecError(f"http.port {s.http.port} is taken: scheduler.port, 9400, 9401 and "
-                        "50061 are the pods' gRPC, metrics and health ports; choose another "
-                        "(default 8000)")
 
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],
                check_rules: bool = True) -> TandemSpec:
