@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf import text_format
 
 from tandem.cell_stats import format_value
 from tandem.tls import TlsFiles, channel_credentials
@@ -26,14 +27,17 @@ def add_client_commands(sub: argparse._SubParsersAction, default_target: str) ->
                    help="send the prompt as one user turn, rendered with the model's chat "
                    "template (images where the prompt says <image>, else before the text)")
     p.add_argument("--system", default="", help="with --chat: a system message first")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_flags(p)
     p.add_argument("--cache-salt", default="")
     p.add_argument("--target", default=default_target)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     _add_tls_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("model-info", help="show the served model and the request limits")
+    p.add_argument("--target", default=default_target)
+    _add_tls_flags(p)
+    p.set_defaults(func=cmd_model_info)
 
     p = sub.add_parser("stats", help="show the cell's cache counters")
     p.add_argument("--target", default=default_target)
@@ -41,6 +45,46 @@ def add_client_commands(sub: argparse._SubParsersAction, default_target: str) ->
     p.add_argument("--per-cell", action="store_true",
                    help="behind a router: each cell's figures next to the total")
     p.set_defaults(func=cmd_stats)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """SamplingParams, one flag per field (docs/api.md gives the ranges; the server checks)."""
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0; 1 = off (the default)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="tokens before EOS, stop ids or stop strings may end the output")
+    p.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeat the flag for more)")
+    p.add_argument("--include-stop", action="store_true",
+                   help="end the text with the stop string instead of before it")
+    p.add_argument("--stop-token-id", action="append", default=[], type=int,
+                   help="a token id that ends generation (repeat for more)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's logprob and its N (0..20) most likely "
+                   "alternatives to stderr")
+
+
+def _sampling(args: argparse.Namespace) -> generate_pb2.SamplingParams:
+    s = generate_pb2.SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens, stop=args.stop,
+        include_stop_str_in_output=args.include_stop, stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs is not None,
+        top_logprobs=args.logprobs or 0)
+    for name in ("max_tokens", "top_p", "seed", "repetition_penalty"):  # unset = the default
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    return s
 
 
 def _add_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -75,11 +119,7 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         msg.prompt = prompt
         for path in args.image:
             msg.images.add(encoded=path.read_bytes())
-    msg.sampling.temperature = args.temperature
-    if args.max_tokens is not None:
-        msg.sampling.max_tokens = args.max_tokens
-    if args.seed is not None:
-        msg.sampling.seed = args.seed
+    msg.sampling.CopyFrom(_sampling(args))
     return msg
 
 
@@ -104,12 +144,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         start = time.monotonic()
         ttft = None
         last = None
+        logprobs: list[generate_pb2.PositionLogprobs] = []
         try:
             for msg in stub.Generate(request, timeout=args.timeout):
                 if ttft is None and msg.token_ids:
                     ttft = time.monotonic() - start
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
+                logprobs.extend(msg.logprobs)
                 last = msg
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -124,7 +166,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"({u.mm_cache_hits} cache hits, {u.encoder_runs} encoded)", file=sys.stderr)
         for i, image in enumerate(u.images, 1):
             print(f"  image {i}  {usage_columns(image)}", file=sys.stderr)
+    for position in logprobs:
+        print(format_logprobs(position), file=sys.stderr)
     print(f"ttft {1000 * (ttft or total):.1f} ms, total {1000 * total:.1f} ms", file=sys.stderr)
+    return 0
+
+
+def format_logprobs(p: generate_pb2.PositionLogprobs) -> str:
+    """One line per generated token: its logprob, id and text, then the alternatives."""
+    line = f"{p.token.logprob:9.4f}  {p.token.token_id:>7}  {p.token.text!r}"
+    if p.top_logprobs:
+        line += "  | " + ", ".join(f"{t.text!r} {t.logprob:.4f}" for t in p.top_logprobs)
+    return line
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    with open_channel(args) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        try:
+            info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(text_format.MessageToString(info).rstrip())
     return 0
 
 

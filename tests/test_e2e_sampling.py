@@ -367,3 +367,39 @@ def test_bad_values_are_invalid_argument_and_leak_nothing(cells: dict[str, Cell]
     assert detail is not None and detail.reason == "BAD_SAMPLING"
     _nothing_held(cell)
     assert _run(cell, _request("good", max_tokens=1)).ids, "the cell still serves"
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+
+def test_cli_flags_reach_the_request(cells: dict[str, Cell], capsys: pytest.CaptureFixture,
+                                     ) -> None:
+    """``tandem generate`` with every sampling flag streams what the same request over
+    gRPC does; ``tandem model-info`` prints the model."""
+    from tandem_cli.cli import main
+
+    target = cells["cached"].target
+    assert main(["model-info", "--target", target]) == 0
+    out = capsys.readouterr().out
+    assert 'model_type: "llama"' in out and "has_chat_template: true" in out
+
+    sampling = dict(temperature=0.9, seed=5, top_k=50, top_p=0.95, min_p=0.02,
+                    presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3,
+                    min_tokens=2, logprobs=True, top_logprobs=2)
+    plain = _run(cells["cached"], _request("cli-plain", **sampling))
+    stop = plain.text[len(plain.text) // 2:][:3]
+    assert stop.strip(), "a stop string from the middle of the output"
+    grpc_run = _run(cells["cached"], _request("cli-grpc", stop=[stop], **sampling))
+    assert main(["generate", PROMPT, "--target", target, "--max-tokens", str(MAX_NEW),
+                 "--ignore-eos", "--temperature", "0.9", "--seed", "5", "--top-k", "50",
+                 "--top-p", "0.95", "--min-p", "0.02", "--presence-penalty", "0.5",
+                 "--frequency-penalty", "0.25", "--repetition-penalty", "1.3",
+                 "--min-tokens", "2", "--logprobs", "2", "--stop", stop]) == 0
+    cli = capsys.readouterr()
+    assert grpc_run.last.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert cli.out == grpc_run.text + "\n" and "[stop]" in cli.err
+    lines = [line for line in cli.err.splitlines() if " | " in line]
+    assert len(lines) == len(grpc_run.ids)
+    for line, lp in zip(lines, [lp for m in grpc_run.messages for lp in m.logprobs],
+                        strict=True):
+        assert line.split()[:2] == [f"{lp.token.logprob:.4f}", str(lp.token.token_id)]
