@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -21,14 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import httpx
 import openai
 import pytest
+from pki import make_pki
 
 from router_svc.server import RouterConfig, RouterServer, create_router
 from tandem.openai_api.http_server import HttpConfig
 from tandem.v1 import generate_pb2
-from tandem_testing.cells import Cell, free_port, png, running_cell
+from tandem_testing.cells import Cell, _wait_serving, free_port, png, running_cell, stop_process
 
 T = TypeVar("T")
 MODEL = "tiny"
@@ -306,3 +311,40 @@ def test_http_requests_are_traced_and_measured_as_grpc_ones(cells: list[HttpCell
     count = next(line for line in metrics.splitlines()
                  if line.startswith("tandem_time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
+
+
+def test_mutual_tls_and_the_remote_image_guard(tmp_path: Path) -> None:
+    """The HTTP port takes the gRPC port's TLS files: with a client CA, only clients with a
+    certificate it signed get an answer. With remote images enabled, a URL that resolves
+    to this machine is refused before any connection is made."""
+    pki = make_pki(tmp_path)
+    port, http_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--http-listen", f"127.0.0.1:{http_port}", "--http-allow-remote-images",
+           "--shm-dir", str(tmp_path / "shm"), "--kv-cache-size", "16Mi",
+           "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+           "--tls-client-ca", str(pki.ca)]
+    with open(tmp_path / "cell.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, TANDEM_DEBUG_INVARIANTS="1"))
+    channel = grpc.secure_channel(f"127.0.0.1:{port}", pki.client(pki.client_cert,
+                                                                     pki.client_key))
+    try:
+        _wait_serving(Cell(f"127.0.0.1:{port}", tmp_path / "shm", proc, channel), 90,
+                      tmp_path / "cell.log")
+        url = f"https://localhost:{http_port}"
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+            httpx.get(f"{url}/v1/models", verify=trusted, timeout=10)
+        trusted.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=trusted))
+        assert client.models.list().data[0].id == MODEL
+        local = [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"http://localhost:{http_port}/v1/models"}}]}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=local)
+        assert _error(caught.value)["code"] == "remote_image_refused"
+    finally:
+        channel.close()
+        stop_process(proc, 30)
