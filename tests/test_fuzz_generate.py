@@ -53,6 +53,12 @@ def sampling() -> st.SearchStrategy[generate_pb2.SamplingParams]:
         "max_tokens": st.one_of(st.integers(0, 4), st.integers(1025, 2**32 - 1)),
         "top_p": st.one_of(floats, st.floats(0.25, 1.0, width=32)),
         "seed": st.integers(0, 2**64 - 1),
+        "repetition_penalty": st.one_of(floats, st.floats(0.5, 2, width=32)),
+        "presence_penalty": floats, "frequency_penalty": floats, "min_p": floats,
+        "min_tokens": st.one_of(st.integers(0, 4), U32), "logprobs": st.booleans(),
+        "top_logprobs": st.one_of(st.integers(0, 21), U32),
+        "stop": st.lists(st.one_of(st.text(max_size=4), st.just("x" * 300)), max_size=18),
+        "include_stop_str_in_output": st.booleans(),
     }
     return st.builds(
         lambda temperature, top_k, stops, ignore_eos, extra: generate_pb2.SamplingParams(
@@ -89,7 +95,12 @@ def plausible_requests() -> st.SearchStrategy[generate_pb2.GenerateRequest]:
         generate_pb2.SamplingParams, max_tokens=st.integers(1, 4),
         temperature=st.floats(0, 2, width=32), top_p=st.floats(0.25, 1.0, width=32),
         top_k=st.integers(-1, 50), seed=st.integers(0, 2**64 - 1),
-        stop_token_ids=st.lists(st.integers(0, 259), max_size=2), ignore_eos=st.booleans())
+        stop_token_ids=st.lists(st.integers(0, 259), max_size=2), ignore_eos=st.booleans(),
+        presence_penalty=st.floats(-2, 2, width=32), frequency_penalty=st.floats(-2, 2, width=32),
+        repetition_penalty=st.floats(0.5, 2, width=32), min_p=st.floats(0, 1, width=32),
+        min_tokens=st.integers(0, 4), logprobs=st.booleans(), top_logprobs=st.integers(0, 20),
+        stop=st.lists(st.text(min_size=1, max_size=3), max_size=2),
+        include_stop_str_in_output=st.booleans())
     return st.builds(build, st.text(min_size=1, max_size=20), st.integers(0, 3), st.booleans(),
                      valid_sampling, st.sampled_from(["", "t1"]))
 
