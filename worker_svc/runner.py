@@ -128,7 +128,7 @@ class StepRunner:
             self._validate_new(r)
             n = step.num_scheduled_tokens[r.request_id]
             self._validate_range(r.request_id, r.num_computed_tokens, len(r.token_ids),
-                                 r.block_ids, n)
+                                 r.block_ids, 0, n)
             scheduled[r.request_id] = _Scheduled(r.features, r.num_computed_tokens, n)
         for c in step.cached_requests:
             state = self.requests.get(c.request_id) if c.request_id in live else None
@@ -141,7 +141,7 @@ class StepRunner:
                     f"tokens, the worker {state.num_computed_tokens}", reason="COMPUTED_MISMATCH")
             n = step.num_scheduled_tokens[c.request_id]
             self._validate_range(c.request_id, state.num_computed_tokens, state.num_tokens,
-                                 state.block_ids + c.new_block_ids, n)
+                                 c.new_block_ids, len(state.block_ids), n)
             scheduled[c.request_id] = _Scheduled(state.features, state.num_computed_tokens, n)
         self._validate_encoder_inputs(step, scheduled)
 
@@ -160,7 +160,10 @@ class StepRunner:
             ends = f.mm_position.end
 
     def _validate_range(self, rid: str, computed: int, known: int, block_ids: list[int],
-                        scheduled: int) -> None:
+                        held_blocks: int, scheduled: int) -> None:
+        """``block_ids`` are the blocks this step adds to the ``held_blocks`` the request
+        already has (checked when they arrived), so the cost of a decode step does not grow
+        with the length of its context."""
         end = computed + scheduled
         if scheduled <= 0 or end > known or end > self.config.max_seq_len:
             raise InvalidInput(f"request {rid}: {scheduled} tokens scheduled after {computed} "
@@ -169,8 +172,9 @@ class StepRunner:
         if any(not 0 <= b < self.model.num_blocks for b in block_ids):
             raise InvalidInput(f"request {rid}: block id out of range "
                                f"[0, {self.model.num_blocks})", reason="BLOCK_OUT_OF_RANGE")
-        if len(block_ids) * self.model.block_size < end:
-            raise InvalidInput(f"request {rid}: {len(block_ids)} blocks cannot hold {end} "
+        blocks = held_blocks + len(block_ids)
+        if blocks * self.model.block_size < end:
+            raise InvalidInput(f"request {rid}: {blocks} blocks cannot hold {end} "
                                "tokens", reason="BLOCK_TABLE_SHORT")
 
     def _validate_encoder_inputs(self, step: StepInput,
@@ -285,16 +289,7 @@ class StepRunner:
             return [], {}
         dev = logits.device
         params = [s.sampling for s in states]
-        noise = exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
-                                  logits.shape[-1], dev)
-        tokens = sample(
-            self._penalised(self._mask_stops(logits, states), states),
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
-            top_k=torch.tensor([p.top_k for p in params], device=dev, dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], device=dev),
-            min_p=torch.tensor([p.min_p for p in params], device=dev),
-            noise=noise,
-        )
+        tokens = self._draw(self._penalised(self._mask_stops(logits, states), states), states)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if not wanted:
             return tokens.tolist(), {}  # the step's one host sync
@@ -309,6 +304,28 @@ class StepRunner:
             n = params[i].top_logprobs
             logprobs[states[i].request_id] = [Logprobs(chosen_l[j], ids_l[j][:n], top_l[j][:n])]
         return host_tokens, logprobs
+
+    def _draw(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """Tokens (R,) from processed logits; the work no row needs is skipped (an all-greedy
+        step draws no noise, filters that every row has off are not run)."""
+        params = [s.sampling for s in states]
+        if all(p.temperature <= 0 for p in params):
+            return logits.argmax(dim=-1)
+        dev = logits.device
+
+        def per_row(values: list, dtype: torch.dtype, off: object) -> torch.Tensor | None:
+            return (None if all(v == off for v in values)
+                    else torch.tensor(values, device=dev, dtype=dtype))
+
+        return sample(
+            logits,
+            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            top_k=per_row([max(p.top_k, 0) for p in params], torch.int64, 0),
+            top_p=per_row([p.top_p for p in params], torch.float32, 1.0),
+            min_p=per_row([p.min_p for p in params], torch.float32, 0.0),
+            noise=exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
+                                    logits.shape[-1], dev),
+        )
 
     def _mask_stops(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """min_tokens: rows short of their minimum cannot sample EOS (unless ignore_eos)

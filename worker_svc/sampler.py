@@ -95,18 +95,27 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
     return logits - frequency[:, None] * counts - presence[:, None] * in_output
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-           noise: Tensor) -> Tensor:
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None,
+           min_p: Tensor | None, noise: Tensor) -> Tensor:
     """Next tokens (R,) int64. Rows with temperature 0 are greedy (argmax of the logits).
 
     logits (R, V) float32, penalties and masks applied; temperature, top_p, min_p (R,)
     float32; top_k (R,) int64; noise (R, V) from :func:`exponential_noise` (ignored for
-    greedy rows).
+    greedy rows). A filter no row uses may be None (the caller knows from the host-side
+    parameters): its passes over the vocabulary are skipped (top-k/top-p sorts every row).
     """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    filtered = filter_top_k_top_p(filter_min_p(scaled, min_p), top_k, top_p)
-    drawn = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
+    if min_p is not None:
+        scaled = filter_min_p(scaled, min_p)
+    if top_k is not None or top_p is not None:
+        rows = logits.shape[0]
+        scaled = filter_top_k_top_p(
+            scaled,
+            top_k if top_k is not None else torch.zeros(rows, dtype=torch.int64,
+                                                        device=logits.device),
+            top_p if top_p is not None else torch.ones(rows, device=logits.device))
+    drawn = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
