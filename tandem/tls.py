@@ -50,10 +50,20 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     when both are given (mutual TLS)."""
     if bool(files.cert) != bool(files.key):
         raise TlsConfigError("a client certificate needs both --tls-cert and --tls-key")
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(files.ca, "--tls-ca") if files.ca else None,
-        private_key=_read(files.key, "--tls-key") if files.key else None,
-        certificate_chain=_read(files.cert, "--tls-cert") if files.cert else None)
+    return pem_channel_credentials(
+        _read(files.ca, "--tls-ca") if files.ca else None,
+        _read(files.key, "--tls-key") if files.key else None,
+        _read(files.cert, "--tls-cert") if files.cert else None)
+
+
+def pem_channel_credentials(ca: bytes | None, key: bytes | None,
+                            cert: bytes | None) -> grpc.ChannelCredentials:
+    """:func:`channel_credentials` from PEM bytes already read (the operator has them from a
+    Secret, not from files)."""
+    if (key is None) != (cert is None):
+        raise TlsConfigError("a client certificate needs both its certificate and its key")
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
 
 
 def _read(path: str, flag: str) -> bytes:

@@ -39,6 +39,7 @@ SOURCES = {p.name: ast.parse(p.read_text()) for p in sorted(OPERATOR_DIR.glob("*
 # kind -> (apiGroup, plural, namespaced) of the kinds KubeApi handles.
 KIND_RESOURCES = {
     "Pod": ("", "pods", True),
+    "Secret": ("", "secrets", True),
     "ConfigMap": ("", "configmaps", True),
     "Service": ("", "services", True),
     "StatefulSet": ("apps", "statefulsets", True),

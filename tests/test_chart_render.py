@@ -487,3 +487,13 @@ def test_tls_reaches_the_operator_and_the_helm_test_speaks_it(helm: dict,
         server.stop(grace=None)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1].endswith("tandem.v1.Generation SERVING"), out.stdout
+
+
+def test_autosize_passes_through_to_the_operator(helm: dict) -> None:
+    objects = render("helm4", (), ('service.featureCache.autoSize={"min":"1Gi","max":"16Gi"}',))
+    assert one(objects, "TandemService")["spec"]["featureCache"]["autoSize"] == {
+        "min": "1Gi", "max": "16Gi"}
+    spec, _, _ = operator_view(objects)
+    assert spec.cache.auto_size is not None and spec.cache.auto_size.max == 16 << 30
+    with pytest.raises(RenderError, match="autoSize"):  # the schema wants both bounds
+        render("helm4", (), ('service.featureCache.autoSize={"min":"1Gi"}',))

@@ -56,6 +56,8 @@ VIOLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "demo", {"worker": {"workersPerCell": 3, "tensorParallelSize": 2}}),
     "!has(self.clientCASecretName) || has(self.secretName)": (
         "demo", {"tls": {"clientCASecretName": "tenants-ca"}}),
+    "!has(self.autoSize) || !has(self.type) || self.type != 'none'": (
+        "demo", {"featureCache": {"type": "none", "autoSize": {"min": "1Gi", "max": "4Gi"}}}),
 }
 
 

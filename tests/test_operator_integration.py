@@ -1,8 +1,12 @@
 """The real operator (`tandem_operator.main.run`, i.e. `tandem operator`, in a subprocess) against
 the API emulator over HTTP: create, resize, repair, scale-down, delete, the specs it cannot
-serve, and three tensor-parallel cells behind the router. Each test uses its own namespace and
-TandemService, so they do not depend on each other. A second emulator drops the CRD's CEL
-rules, as some apiservers do: there the operator's parser is the only check.
+serve, three tensor-parallel cells behind the router, and cache sizing from a cell's
+CacheStats. Each test uses its own namespace and TandemService, so they do not depend on each
+other. A second emulator drops the CRD's CEL rules, as some apiservers do: there the
+operator's parser is the only check.
+
+Where the operator reads a cell's CacheStats (its scheduler pod's IP, loopback in the
+emulator, on `scheduler.port`), a real gRPC server in the test answers with a chosen curve.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import kubernetes
 import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.fixtures import CRD_PATH, node
 from test_crd_cel import VIOLATIONS
 
+from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_operator.kube import KubeApi, Rejected
 from tandem_testing.cells import stop_process
 
@@ -114,7 +121,8 @@ def running_cluster(tmp: Path, cel_validation: bool) -> Iterator[Cluster]:
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     log = tmp / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TANDEM_OPERATOR_RESYNC_SECONDS": "1",
-           "TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "20"}
+           "TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "20", "TANDEM_OPERATOR_CACHE_SECONDS": "1",
+           "TANDEM_OPERATOR_CACHE_MIN_REFERENCES": "100", "TANDEM_OPERATOR_LEAK_SECONDS": "2"}
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from tandem_operator.main import run; "
@@ -435,3 +443,121 @@ def test_a_worker_that_cannot_load_its_model_is_named_in_the_status(cluster: Clu
     wait_for(reported, "WorkersReady to name the failing worker")
     ready = cluster.condition(ns, name, "Ready")
     assert ready["status"] == "False" and ready["message"].startswith(problem)
+
+
+class StatsCell(generate_pb2_grpc.GenerationServicer):
+    """Stands in for a cell's scheduler where the operator reads CacheStats: answers with
+    `stats`, which the test changes as it goes."""
+
+    def __init__(self, stats: generate_pb2.CacheStatsResponse) -> None:
+        self.stats = stats
+        self.calls = 0
+
+    def CacheStats(self, request: generate_pb2.CacheStatsRequest,
+                   context: grpc.ServicerContext) -> generate_pb2.CacheStatsResponse:
+        self.calls += 1
+        return self.stats
+
+
+def curve(recommended: int, references: int = 5000, unacked: int = 0,
+          capacity: int = GI) -> generate_pb2.CacheStatsResponse:
+    return generate_pb2.CacheStatsResponse(
+        mm_cache_type="shm", mm_cache_capacity_bytes=capacity, shm_capacity_bytes=capacity,
+        mm_cache_recommended_bytes=recommended, mm_cache_curve_references=references,
+        mm_cache_achievable_hit_ratio=0.8, shm_unacked_refs=unacked, requests_in_flight=0,
+        mm_cache_curve=[generate_pb2.CurvePoint(capacity_bytes=int(capacity * f), hit_ratio=r)
+                        for f, r in ((0.5, 0.2), (1, 0.4), (2, 0.7))])
+
+
+@contextlib.contextmanager
+def stats_cell(stats: generate_pb2.CacheStatsResponse) -> Iterator[tuple[StatsCell, int]]:
+    """A real gRPC server on a free loopback port serving StatsCell."""
+    cell = StatsCell(stats)
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    generate_pb2_grpc.add_GenerationServicer_to_server(cell, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield cell, port
+    finally:
+        server.stop(0)
+
+
+def resizes(cluster: Cluster, ns: str) -> list[str]:
+    return [m for kind, reason, m in cluster.events(ns) if (kind, reason) == ("Normal",
+                                                                              "CacheResized")]
+
+
+def test_an_undersized_cell_gets_the_condition_and_the_recommendation(cluster: Cluster) -> None:
+    ns, name = "lambda", "svc"
+    with stats_cell(curve(recommended=3 * GI)) as (cell, port):
+        cluster.create(ns, name, {"scheduler": {"port": port}, "featureCache": {"size": "1Gi"}})
+
+        def undersized() -> dict[str, Any]:
+            found = cluster.condition(ns, name, "CacheSized")
+            return found if found.get("reason") == "Undersized" else {}
+        sized = wait_for(undersized, "CacheSized Undersized")
+        assert sized["status"] == "False" and cell.calls > 0
+        assert sized["message"].startswith("cell 0 (1Gi cache on node-")
+        assert sized["message"].endswith("set spec.featureCache.size to 3Gi (or set "
+                                         "featureCache.autoSize to let the operator size it)")
+        cache = cluster.get(ns, name)["status"]["cache"]
+        assert cache["recommendedSize"] == "3Gi"
+        assert cache["cells"][0] | {"references": 5000, "recommendedBytes": 3 * GI} == \
+            cache["cells"][0] and cache["cells"][0]["verdict"] == "Undersized"
+        assert cluster.condition(ns, name, "ReferencesLeaking")["status"] == "False"
+        assert cluster.condition(ns, name, "Ready")["status"] == "True"  # advice, not a fault
+
+
+def test_autosize_resizes_within_its_bounds_once_per_stable_curve(cluster: Cluster) -> None:
+    ns, name = "mu", "svc"
+    with stats_cell(curve(recommended=3 * GI)) as (cell, port):
+        cluster.create(ns, name, {"scheduler": {"port": port}, "featureCache": {
+            "size": "1Gi", "autoSize": {"min": "512Mi", "max": "8Gi"}}})
+
+        def sized_to(size: int, generation: int) -> bool:
+            [c] = cluster.get(ns, name).get("status", {}).get("cells") or [{}]
+            return (c.get("segmentBytes"), c.get("requestedBytes"),
+                    c.get("segmentGeneration")) == (size, size, generation) and \
+                is_ready(cluster, ns, name)
+        wait_for(lambda: sized_to(3 * GI, 2), "the cell resized to 3Gi", timeout=30)
+        config = cluster.core.read_namespaced_config_map(f"{name}-0-config", ns).data
+        assert config["TANDEM_MM_CACHE_SIZE"] == str(3 * GI)
+        wait_for(lambda: cluster.condition(ns, name, "CacheSized").get("reason") == "Right",
+                 "CacheSized Right at the new size")
+        calls = cell.calls
+        wait_for(lambda: cell.calls >= calls + 3, "three more reads of the same curve")
+        assert sized_to(3 * GI, 2)
+        [event] = resizes(cluster, ns)
+        assert event.startswith("cell 0: autoSize resized its cache from 1Gi to 3Gi")
+
+        cell.stats = curve(recommended=20 * GI, capacity=3 * GI)  # the workload changed
+        wait_for(lambda: sized_to(8 * GI, 3), "the cell resized to autoSize.max", timeout=30)
+        calls = cell.calls
+        wait_for(lambda: cell.calls >= calls + 3, "three more reads")
+        assert sized_to(8 * GI, 3) and len(resizes(cluster, ns)) == 2
+        sized = cluster.condition(ns, name, "CacheSized")
+        assert sized["reason"] == "Undersized"
+        assert sized["message"].endswith("autoSize keeps it at its bound 8Gi")
+
+
+def test_references_left_unacknowledged_while_idle_are_reported(cluster: Cluster) -> None:
+    ns, name = "nu", "svc"
+    with stats_cell(curve(recommended=GI, unacked=3)) as (cell, port):
+        cluster.create(ns, name, {"scheduler": {"port": port}, "featureCache": {"size": "1Gi"}})
+
+        def leaking() -> dict[str, Any]:
+            found = cluster.condition(ns, name, "ReferencesLeaking")
+            return found if found.get("status") == "True" else {}
+        condition = wait_for(leaking, "ReferencesLeaking")
+        assert condition["message"].startswith(
+            "cell 0: 3 segment references unacknowledged while the cell handled no request "
+            "for more than 2 s")
+        warned = wait_for(lambda: [m for kind, reason, m in cluster.events(ns)
+                                   if (kind, reason) == ("Warning", "ReferencesLeaking")],
+                          "the ReferencesLeaking Event")
+        assert warned == [condition["message"]]
+        cell.stats = curve(recommended=GI, unacked=0)
+        wait_for(lambda: cluster.condition(ns, name, "ReferencesLeaking").get("status")
+                 == "False", "ReferencesLeaking cleared")
+        assert cluster.condition(ns, name, "CacheSized")["reason"] == "Right"

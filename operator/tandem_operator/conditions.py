@@ -41,6 +41,7 @@ class PodInfo:
     config_hash: str
     deleting: bool
     problem: str = ""  # why it does not come up, after "<component> pod <name> " (pod_problem)
+    ip: str = ""  # status.podIP: where the operator reads a scheduler's CacheStats
 
 
 def _last_line(text: str) -> str:
@@ -111,6 +112,7 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
         config_hash=(meta.get("annotations") or {}).get(CONFIG_HASH, ""),
         deleting=bool(meta.get("deletionTimestamp")),
         problem=pod_problem(body),
+        ip=status.get("podIP") or "",
     )
 
 

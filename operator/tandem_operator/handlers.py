@@ -4,6 +4,8 @@
   (`cell-<i>`, rolled one at a time), `services` (and the router with several cells) and
   `prune` (scale-down).
 - timer `observe`: repair colocation and publish the level-based status.
+- timer `watch_caches`: read the cells' CacheStats, judge cache sizes and leaking references,
+  apply autoSize (cache_watch.py).
 - delete `cleanup`: a finalizer that removes the cells' segment directories with Jobs.
 """
 
@@ -13,12 +15,15 @@ import datetime
 import functools
 import logging
 import os
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from tandem_operator.cache_sizing import SizingPolicy
+from tandem_operator.cache_watch import read_caches, size_caches
 from tandem_operator.conditions import PodInfo, invalid_spec_conditions, pod_info
 from tandem_operator.kube import KubeApi
 from tandem_operator.placement import INSTANCE_LABEL, MANAGED_BY, NodeInfo, PodLoad
@@ -53,12 +58,21 @@ class OperatorConfig:
 
     resync_seconds: float = 10.0  # TANDEM_OPERATOR_RESYNC_SECONDS: the observe timer's period
     cleanup_timeout_seconds: float = 600.0  # TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS
+    cache_seconds: float = 30.0  # TANDEM_OPERATOR_CACHE_SECONDS: how often CacheStats is read
+    # TANDEM_OPERATOR_CACHE_MIN_REFERENCES, TANDEM_OPERATOR_LEAK_SECONDS
+    sizing: SizingPolicy = field(default_factory=SizingPolicy)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
+        policy = SizingPolicy(
+            min_references=int(env.get("TANDEM_OPERATOR_CACHE_MIN_REFERENCES",
+                                       SizingPolicy.min_references)),
+            leak_seconds=float(env.get("TANDEM_OPERATOR_LEAK_SECONDS",
+                                       SizingPolicy.leak_seconds)))
         return cls(float(env.get("TANDEM_OPERATOR_RESYNC_SECONDS", cls.resync_seconds)),
                    float(env.get("TANDEM_OPERATOR_CLEANUP_TIMEOUT_SECONDS",
-                                 cls.cleanup_timeout_seconds)))
+                                 cls.cleanup_timeout_seconds)),
+                   float(env.get("TANDEM_OPERATOR_CACHE_SECONDS", cls.cache_seconds)), policy)
 
 
 # NOTE: read at import because kopf's decorators take the timer period; the rejected
@@ -225,6 +239,30 @@ async def observe(name: str, namespace: str, spec: kopf.Spec, status: kopf.Statu
             await apply_front(memo["kube"], body, tsvc, state)
         payload = status_payload(tsvc, state, pods, status, now(), meta["generation"])
         patch.status.update(changed_status(status, payload))
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.cache_seconds, idle=CONFIG.cache_seconds)
+async def watch_caches(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status,
+                       body: kopf.Body, memo: kopf.Memo, node_index: kopf.Index[str, NodeInfo],
+                       pod_load_index: kopf.Index[str, PodLoad], tandem_pod_index: PodIndex,
+                       **_: Any) -> None:
+    """Read each cell's CacheStats; judge its cache size and its unacknowledged references
+    (status is published by `observe`); under autoSize resize at most one cell."""
+    with handler_span("watch_caches", namespace, name):
+        try:
+            tsvc = parse_spec(name, namespace, spec)
+        except SpecError:
+            return  # `observe` reports it
+        state = service_state(memo, status)
+        pods = list(tandem_pod_index.get((namespace, name), []))
+        now = time.monotonic()
+        await read_caches(memo["kube"], tsvc, state, pods, now)
+        done = await size_caches(memo["kube"], body, tsvc, state, nodes_of(node_index),
+                                 loads_of(pod_load_index), pods, CONFIG.sizing, now)
+        for message in done.new_leaks:
+            kopf.warn(body, reason="ReferencesLeaking", message=message)
+        if done.resized:
+            kopf.event(body, type="Normal", reason="CacheResized", message=done.resized)
 
 
 @kopf.on.delete(*RESOURCE)

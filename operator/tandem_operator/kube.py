@@ -23,6 +23,7 @@ _KINDS = {  # kind -> (API class, method suffix)
     "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
+    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),  # read only: TLS to cells
     "StatefulSet": (kubernetes.client.AppsV1Api, "namespaced_stateful_set"),
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Job": (kubernetes.client.BatchV1Api, "namespaced_job"),
@@ -57,7 +58,7 @@ def _rejected(e: ApiException, call: str) -> Rejected:
 
 class KubeApi:
     """Create-or-update, delete and read for ConfigMaps, Services, Pods, StatefulSets,
-    Deployments, Jobs."""
+    Deployments, Jobs; read for Secrets."""
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client

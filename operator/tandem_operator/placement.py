@@ -157,12 +157,29 @@ class NodeFit:
     reason: str = ""
 
 
+def cell_cache_request(spec: TandemSpec, prev: Cell | None) -> int:
+    """The cache bytes a cell asks for: the spec's size; under autoSize, the size the
+    operator chose for it before (its `requestedBytes`), kept within the bounds, a new cell
+    starting from the spec's size."""
+    requested, auto = spec.cache_bytes_requested, spec.cache.auto_size
+    if requested == 0 or auto is None:
+        return requested
+    chosen = prev.requested_bytes if prev is not None and prev.requested_bytes else requested
+    return min(max(chosen, auto.min), auto.max)
+
+
+def _cache_budget(spec: TandemSpec, node: NodeInfo, used: Mapping[str, int]) -> int:
+    """maxNodeMemoryPercent of the node's allocatable memory minus the memory requests of
+    everything else on it (`used`) and of the cell's own pods."""
+    return (node.allocatable.get("memory", 0) * spec.cache.max_node_memory_percent // 100
+            - used.get("memory", 0) - cell_requests(spec).get("memory", 0))
+
+
 def node_fit(spec: TandemSpec, node: NodeInfo, used: Mapping[str, int],
-             cells_there: int) -> NodeFit:
+             cells_there: int, requested: int | None = None) -> NodeFit:
     """Fit a cell on `node`, whose other pods already use `used`, next to `cells_there` cells.
 
-    The cache gets min(requested, maxNodeMemoryPercent of allocatable memory minus the memory
-    requests of everything else on the node, this cell's pods included).
+    The cache gets min(`requested` (default: the spec's), the budget of `_cache_budget`).
     """
     if not node.schedulable:
         return NodeFit(None, "not Ready or cordoned")
@@ -183,11 +200,10 @@ def node_fit(spec: TandemSpec, node: NodeInfo, used: Mapping[str, int],
         if amount > free:
             show = format_bytes if resource == "memory" else str
             return NodeFit(None, f"needs {show(amount)} {resource}, {show(max(free, 0))} free")
-    requested = spec.cache_bytes_requested
+    requested = spec.cache_bytes_requested if requested is None else requested
     if requested == 0:
         return NodeFit(0)
-    budget = (node.allocatable.get("memory", 0) * spec.cache.max_node_memory_percent // 100
-              - used.get("memory", 0) - need.get("memory", 0))
+    budget = _cache_budget(spec, node, used)
     if budget <= 0:
         return NodeFit(None, f"no memory left for the cache within "
                              f"{spec.cache.max_node_memory_percent}% of allocatable")
@@ -236,44 +252,64 @@ def _misfit_summary(fits: Mapping[str, NodeFit], total: int) -> str:
 
 
 def place_cells(spec: TandemSpec, nodes: Mapping[str, NodeInfo], loads: Iterable[PodLoad],
-                previous: Sequence[Cell], force: frozenset[int] = frozenset()) -> list[Cell]:
+                previous: Sequence[Cell], force: frozenset[int] = frozenset(),
+                resize: Mapping[int, int] | None = None) -> list[Cell]:
     """Choose a node and a cache size for each of `spec.cells` cells.
 
     A placed cell stays where it is (same cache bytes, same generation) while its node exists,
     still fits it and the requested size is unchanged, so restarts and unrelated pods never
     move a cell; cells in `force` are placed afresh (a repair). New placements prefer the old
     node, then the largest cache, then the node left with the fewest free GPUs (packing).
+    `resize` gives cells a new requested size (autoSize); the others ask for
+    `cell_cache_request`.
     """
     owner = f"{spec.namespace}/{spec.name}"
     used = _usage(loads, owner)
     prev = {c.index: c for c in previous if c.index < spec.cells}
-    requested = spec.cache_bytes_requested
+    resize = resize or {}
+    wanted = {i: resize.get(i, cell_cache_request(spec, prev.get(i))) for i in range(spec.cells)}
     cells: dict[int, Cell] = {}
     for i, p in sorted(prev.items()):
         node = nodes.get(p.node)
-        if not node or i in force or p.requested_bytes != requested:
+        if not node or i in force or p.requested_bytes != wanted[i]:
             continue
-        fit = node_fit(spec, node, used.get(node.name, Counter()), _count(cells, node.name))
+        fit = node_fit(spec, node, used.get(node.name, Counter()), _count(cells, node.name),
+                       wanted[i])
         if fit.cache_bytes is not None:
             cells[i] = p
             _reserve(used, p.node, spec, p.cache_bytes)
     for i in range(spec.cells):
         if i not in cells:
-            cells[i] = _place_one(spec, i, prev.get(i), nodes, used, cells)
+            cells[i] = _place_one(spec, i, prev.get(i), nodes, used, cells, wanted[i])
             if cells[i].node:
                 _reserve(used, cells[i].node, spec, cells[i].cache_bytes)
     return [cells[i] for i in range(spec.cells)]
 
 
+def cache_room(spec: TandemSpec, nodes: Mapping[str, NodeInfo], loads: Iterable[PodLoad],
+               cells: Sequence[Cell], index: int) -> int:
+    """The most cache bytes cell `index` could get on its node, everything else staying as
+    it is: what bounds its recommendation (0 when it has no node)."""
+    cell = cells[index]
+    node = nodes.get(cell.node)
+    if node is None:
+        return 0
+    used = _usage(loads, f"{spec.namespace}/{spec.name}")
+    for other in cells:
+        if other.index != index and other.node == cell.node:
+            _reserve(used, other.node, spec, other.cache_bytes)
+    return max(_cache_budget(spec, node, used.get(node.name, Counter())), 0)
+
+
 def _place_one(spec: TandemSpec, index: int, prev: Cell | None, nodes: Mapping[str, NodeInfo],
-               used: dict[str, Counter[str]], cells: Mapping[int, Cell]) -> Cell:
-    fits = {n.name: node_fit(spec, n, used.get(n.name, Counter()), _count(cells, n.name))
+               used: dict[str, Counter[str]], cells: Mapping[int, Cell], requested: int) -> Cell:
+    fits = {n.name: node_fit(spec, n, used.get(n.name, Counter()), _count(cells, n.name),
+                             requested)
             for n in nodes.values()}
     generation = prev.generation if prev else 0
     ok = [(name, f.cache_bytes) for name, f in fits.items() if f.cache_bytes is not None]
     if not ok:
-        return Cell(index, "", 0, spec.cache_bytes_requested, generation,
-                    _misfit_summary(fits, len(nodes)))
+        return Cell(index, "", 0, requested, generation, _misfit_summary(fits, len(nodes)))
     gpu = spec.worker.gpu_resource
 
     def rank(item: tuple[str, int | None]) -> tuple[Any, ...]:
@@ -282,7 +318,7 @@ def _place_one(spec: TandemSpec, index: int, prev: Cell | None, nodes: Mapping[s
         return (not (prev and prev.node == name), -(cache or 0), spare, name)
 
     name, cache = min(ok, key=rank)
-    return Cell(index, name, cache or 0, spec.cache_bytes_requested, generation + 1)
+    return Cell(index, name, cache or 0, requested, generation + 1)
 
 
 def _count(cells: Mapping[int, Cell], node: str) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 
+from tandem_operator.cache_sizing import CellCache, Verdict
 from tandem_operator.conditions import (
     CellObservation,
     PodInfo,
@@ -71,13 +72,20 @@ class ServiceState:
     snapshot, so placement needs one current value with one writer at a time; it lives here,
     seeded from `status.cells` after an operator restart, and `status` is its published copy.
     Invariants: `cells[i].index == i` and each Cell's own invariants hold; `rejected` holds
-    only indexes of cells. `cells` and `front` are replaced only under `lock`.
+    only indexes of cells. `cells` and `front` are replaced only under `lock`. The cache
+    timer (cache_watch.py) alone writes `caches`, `sizing` and `cache_status`; status
+    publishes them.
     """
 
     cells: list[Cell]
     rejected: dict[int, str] = field(default_factory=dict)  # cell -> Pod Security message
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     front: Front | None = None  # what apply_front last applied; None: not yet (or restarted)
+    caches: dict[int, CellCache] = field(default_factory=dict)  # cell -> what its stats say
+    sizing: dict[str, Verdict] = field(default_factory=lambda: {
+        kind: ("Unknown", "NoStats", "the cells' CacheStats were not read yet")
+        for kind in ("CacheSized", "ReferencesLeaking")})
+    cache_status: dict[str, Any] = field(default_factory=dict)  # status.cache
 
     def check_invariants(self) -> None:
         for i, cell in enumerate(self.cells):
@@ -125,19 +133,20 @@ def wait_delay(retry: int) -> float:
 
 
 async def place(state: ServiceState, spec: TandemSpec, nodes: Mapping[str, NodeInfo],
-                loads: Iterable[PodLoad], force: frozenset[int] = frozenset()) -> list[Cell]:
+                loads: Iterable[PodLoad], force: frozenset[int] = frozenset(),
+                resize: Mapping[int, int] | None = None) -> list[Cell]:
     """Re-run placement under the state's lock; return the cells whose node or generation
-    changed (each then needs its children applied)."""
+    changed (each then needs its children applied). `resize`: see `place_cells`."""
     async with state.lock:
         before = {c.index: c for c in state.cells}
-        state.cells = place_cells(spec, nodes, loads, state.cells, force)
+        state.cells = place_cells(spec, nodes, loads, state.cells, force, resize)
         state.rejected = {i: m for i, m in state.rejected.items() if i < len(state.cells)}
         return [c for c in state.cells if c.index not in before
                 or (c.node, c.generation) != (before[c.index].node, before[c.index].generation)]
 
 
-def _observe(spec: TandemSpec, cells: Sequence[Cell],
-             pods: Sequence[PodInfo]) -> dict[int, CellObservation]:
+def observe_cells(spec: TandemSpec, cells: Sequence[Cell],
+                  pods: Sequence[PodInfo]) -> dict[int, CellObservation]:
     return {c.index: observe_cell(spec, c, config_hash(cell_config(spec, c)), pods)
             for c in cells if c.node}
 
@@ -153,7 +162,7 @@ def roll_blocker(spec: TandemSpec, cells: Sequence[Cell], index: int,
     mine = [p for p in pods if p.cell == index]
     if all(p.config_hash == current for p in mine):
         return ""
-    for i, obs in _observe(spec, cells[:index], pods).items():
+    for i, obs in observe_cells(spec, cells[:index], pods).items():
         if not obs.ready:
             scheduler = "ready" if obs.scheduler_ready else "not ready"
             return (f"cell {index} waits for cell {i} to be ready on the new config before it "
@@ -273,7 +282,7 @@ async def repair(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: Servi
     pods are deleted (their StatefulSet recreates them on the cell's node) and the old
     generation is removed from the node the cell left.
     """
-    obs = _observe(spec, state.cells, pods)
+    obs = observe_cells(spec, state.cells, pods)
     before = {c.index: c for c in state.cells}
     force = frozenset(i for i, o in obs.items() if o.misplaced)
     if not force and len(before) == spec.cells and all(c.node in nodes for c in state.cells):
@@ -308,13 +317,14 @@ def _repair_cause(stray: Sequence[PodInfo], old: Cell | None) -> str:
 def status_payload(spec: TandemSpec, state: ServiceState, pods: Sequence[PodInfo],
                    previous: Mapping[str, Any], now: str, generation: int) -> dict[str, Any]:
     """The whole `status` except observedGeneration, recomputed from state and pods."""
-    obs = _observe(spec, state.cells, pods)
-    verdicts = fold_verdicts(spec, state.cells, obs, state.rejected)
+    obs = observe_cells(spec, state.cells, pods)
+    verdicts = {**fold_verdicts(spec, state.cells, obs, state.rejected), **state.sizing}
     return {
         "cells": [cell_status(spec, c, config_hash(cell_config(spec, c)), obs.get(c.index))
                   for c in state.cells],
         "conditions": render_conditions(verdicts, previous.get("conditions") or (), now,
                                         generation),
+        "cache": state.cache_status,
         "replicas": sum(1 for p in pods if p.component == "scheduler" and not p.deleting),
         "selector": scale_selector(spec),
         "endpoint": endpoint(spec),

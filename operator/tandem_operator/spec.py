@@ -111,13 +111,22 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class AutoSize:
+    """Bounds within which the operator sizes each cell's cache from its reuse curve."""
+
+    min: int  # bytes
+    max: int
+
+
+@dataclass(frozen=True)
 class FeatureCacheSpec:
     type: str  # shm | lru | none
-    size: int  # requested bytes (0 = off)
+    size: int  # requested bytes (0 = off); under autoSize, the size a new cell starts with
     max_object_size: int
     max_node_memory_percent: int
     host_root: str
     cleanup_on_start: bool
+    auto_size: AutoSize | None = None  # None: the size is the user's
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,7 @@ def _worker(image: Mapping[str, Any], wrk: Mapping[str, Any]) -> WorkerSpec:
 
 
 def _cache(fc: Mapping[str, Any]) -> FeatureCacheSpec:
+    auto = fc.get("autoSize")
     return FeatureCacheSpec(
         type=fc["type"],
         size=quantity_bytes(fc["size"]),
@@ -237,6 +247,8 @@ def _cache(fc: Mapping[str, Any]) -> FeatureCacheSpec:
         max_node_memory_percent=fc["maxNodeMemoryPercent"],
         host_root=fc["hostPath"]["root"].rstrip("/") or "/",
         cleanup_on_start=fc["cleanupOnStart"],
+        auto_size=AutoSize(quantity_bytes(auto["min"]), quantity_bytes(auto["max"]))
+        if auto is not None else None,
     )
 
 
@@ -348,6 +360,23 @@ def _check_rules(s: TandemSpec) -> None:
     if s.tls.client_ca_secret_name and not s.tls.enabled:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")
+    _check_auto_size(s.cache)
+
+
+def _check_auto_size(c: FeatureCacheSpec) -> None:
+    """The CRD's rule on featureCache.autoSize, and min <= max, which CEL cannot compare
+    (quantities are strings to it without the Kubernetes quantity library)."""
+    if c.auto_size is None:
+        return
+    if c.type == "none":
+        raise SpecError("featureCache.autoSize needs a cache to size: featureCache.type is "
+                        "none; set it to shm or lru, or remove autoSize")
+    if c.auto_size.min <= 0:
+        raise SpecError("featureCache.autoSize.min must be above 0: the operator never turns "
+                        "the cache off (set featureCache.type none for that)")
+    if c.auto_size.min > c.auto_size.max:
+        raise SpecError(f"featureCache.autoSize.min ({c.auto_size.min} bytes) is above "
+                        f"autoSize.max ({c.auto_size.max} bytes); swap them")
 
 
 def parse_spec(name: str, namespace: str, spec: Mapping[str, Any],

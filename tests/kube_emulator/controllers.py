@@ -1,6 +1,7 @@
 """The cluster behaviour beyond the apiserver that the operator's tests need, reduced to the
 outcome: the StatefulSet controller and kube-scheduler (pods exist, bound to the node their
-required node affinity names, and Ready at once), the Deployment controller (every replica
+required node affinity names, and Ready at once, their IP loopback: a test serves there what
+the pod would), the Deployment controller (every replica
 available at once, without pods), the Job controller and kubelet (a Job completes at once),
 and Pod Security admission (hostPath refused below `privileged`).
 """
@@ -16,6 +17,7 @@ from kube_emulator.store import ObjectStore, ResourceType, now
 
 Obj = dict[str, Any]
 POD_INDEX = "apps.kubernetes.io/pod-index"
+POD_IP = "127.0.0.1"
 REVISION = "controller-revision-hash"
 
 
@@ -59,9 +61,11 @@ def _pod_for(sts: Obj, ordinal: int, revision: str) -> Obj:
 
 def _running(pod: Obj) -> Obj:
     scheduled = bool(pod["spec"].get("nodeName"))
-    return {"phase": "Running" if scheduled else "Pending", "startTime": now(), "conditions": [
-        {"type": "PodScheduled", "status": str(scheduled)},
-        {"type": "Ready", "status": str(scheduled), "lastTransitionTime": now()}]}
+    address = {"podIP": POD_IP, "podIPs": [{"ip": POD_IP}]} if scheduled else {}
+    conditions = [{"type": "PodScheduled", "status": str(scheduled)},
+                  {"type": "Ready", "status": str(scheduled), "lastTransitionTime": now()}]
+    return {"phase": "Running" if scheduled else "Pending", "startTime": now(), **address,
+            "conditions": conditions}
 
 
 def sync_statefulset(store: ObjectStore, sts: Obj) -> None:

@@ -57,6 +57,11 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, delete]
+# The TLS Secret of a service (tls.secretName), read to verify its cells' certificate when the
+# operator reads their CacheStats (cache sizing): get only, never list or watch.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # Segment cleanup Jobs: created once, then read until they finish.
 - apiGroups: [batch]
   resources: [jobs]
