@@ -1,13 +1,23 @@
 """The operator's cache sizing without a cluster: the verdict and its hysteresis, the bound
 by the node, autoSize's one resize, the leak watch, status.cache, placement with per-cell
-sizes, the spec's autoSize, and a cell's CacheStats reduced to a reading."""
+sizes, the spec's autoSize, a cell's CacheStats reduced to a reading, and reading it from a
+real mutual-TLS server."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
 import pytest
 from kube_emulator.fixtures import node, pod, tandem_spec
+from pki import make_pki
 
+from tandem.tls import TlsFiles, server_credentials
 from tandem.v1 import generate_pb2 as pb
+from tandem.v1 import generate_pb2_grpc as pb_grpc
 from tandem_operator.cache_sizing import (
     OVERSIZED,
     RIGHT,
@@ -26,7 +36,14 @@ from tandem_operator.cache_sizing import (
     quantity,
     status_cache,
 )
-from tandem_operator.cell_stats import CellTarget, cell_target, to_reading
+from tandem_operator.cell_stats import (
+    CellTarget,
+    CellUnreachable,
+    cell_target,
+    read_cell,
+    tls_credentials,
+    to_reading,
+)
 from tandem_operator.placement import Cell, cache_room, node_info, place_cells, pod_load
 from tandem_operator.spec import AutoSize, SpecError
 
@@ -209,3 +226,38 @@ def test_a_cells_stats_become_a_reading_and_its_address_a_target() -> None:
     many = tandem_spec({"cells": 2}, name="svc", namespace="ns")
     assert cell_target(many, 1, "fd00::7") == CellTarget(
         "[fd00::7]:50051", "svc-1-scheduler-0.svc-headless.ns.svc")
+
+
+def test_the_operator_reads_a_tls_cell_with_the_services_secret(tmp_path: Path) -> None:
+    """Against a real mutual-TLS server: the Secret's CA verifies the cell, its certificate
+    is presented as the client's (as the router does); a name the certificate does not
+    carry, or no client certificate, is refused with a reason."""
+    pki = make_pki(tmp_path)
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+
+    class Cell(pb_grpc.GenerationServicer):
+        def CacheStats(self, request: pb.CacheStatsRequest,
+                       context: grpc.ServicerContext) -> pb.CacheStatsResponse:
+            return pb.CacheStatsResponse(mm_cache_curve_references=7)
+
+    pb_grpc.add_GenerationServicer_to_server(Cell(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(
+        TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca))))
+    server.start()
+    secret = {"data": {name: base64.b64encode(path.read_bytes()).decode() for name, path in (
+        ("ca.crt", pki.ca), ("tls.crt", pki.server_cert), ("tls.key", pki.server_key))}}
+    mutual = tandem_spec({"tls": {"secretName": "cells", "clientCASecretName": "clients"}})
+    try:
+        target = CellTarget(f"127.0.0.1:{port}", "localhost")
+        got = asyncio.run(read_cell(target, tls_credentials(mutual, secret), timeout=10))
+        assert got.references == 7
+        with pytest.raises(CellUnreachable, match="UNAVAILABLE"):
+            asyncio.run(read_cell(CellTarget(target.address, "svc.serving.svc"),
+                                  tls_credentials(mutual, secret), timeout=10))
+        one_way = tandem_spec({"tls": {"secretName": "cells"}})
+        with pytest.raises(CellUnreachable, match="UNAVAILABLE"):
+            asyncio.run(read_cell(target, tls_credentials(one_way, secret), timeout=10))
+        with pytest.raises(CellUnreachable, match=r"has no ca\.crt"):
+            tls_credentials(mutual, {"data": {}})
+    finally:
+        server.stop(0)
