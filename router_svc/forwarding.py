@@ -8,8 +8,8 @@ iterator (the client left) cancels the upstream call, so the cell frees the requ
 blocks at once. Each attempt is a ``tandem.route`` CLIENT span whose context travels to
 the cell as ``traceparent``.
 
-Used by the router's HTTP backend; errors come out as the cell's ``grpc.aio.AioRpcError``
-or ``Unavailable`` when no cell could take the request.
+Used by the router's gRPC servicer and its HTTP backend; errors come out as the cell's
+``grpc.aio.AioRpcError``, or ``Unavailable`` when no cell could take the request.
 """
 
 from __future__ import annotations
