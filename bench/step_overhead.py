@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import threading
@@ -371,10 +372,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per client")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per model")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads here and in both services (0 = torch's default); on "
+                    "a shared machine, oversubscribed OpenMP threads make the forward erratic")
     args = ap.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the spawned services
+        torch.set_num_threads(args.threads)
     print("\n".join(environment_lines()))
     print(f"{args.tokens} output tokens per client, {args.rounds} rounds, streams "
-          f"{args.streams}, device {args.device}")
+          f"{args.streams}, device {args.device}, torch threads {torch.get_num_threads()}")
     for model in args.models:
         bare = Bare(model, args.device)
         with tempfile.TemporaryDirectory(prefix="tandem-steps-") as tmp:

@@ -101,6 +101,9 @@ class Engine:
         self._lost: list[int] = []  # ranks whose health stream ended, for the loop
         self._losses = 0
         self._step_id = 0
+        # The last step's outputs, handed to their streams once the next step is on its way
+        # (see _step); every path that does not start a step hands them over first.
+        self._undelivered: list[tuple[Request, StepOutput]] = []
         self._failed_since_success = False  # an unexpected error, and no step succeeded since
         self._broken = False  # NOT_SERVING for good: the loop could not go on
         self.errors = 0  # unexpected errors the loop caught
@@ -222,6 +225,7 @@ class Engine:
             try:
                 await self._iterate()
             except Exception:
+                self._deliver()
                 self.errors += 1
                 log.exception("unexpected error in the engine loop: failing every request")
                 if not self._recover():
@@ -229,6 +233,8 @@ class Engine:
 
     async def _iterate(self) -> None:
         assert self.scheduler is not None and self.ledger is not None
+        if self._lost or not self.serving or not self.scheduler.has_work:
+            self._deliver()
         if self._lost:
             ranks, self._lost = tuple(self._lost), []
             if self.serving:  # else a failed step noticed first
@@ -240,6 +246,7 @@ class Engine:
         for rid in out.preempted_request_ids:
             self.ledger.redeliver(self.scheduler.requests[rid])
         if out.is_empty:
+            self._deliver()
             self._wake.clear()
             await asyncio.sleep(0.01)  # nothing fits now; retry after others change
             self._wake.set()
@@ -257,8 +264,14 @@ class Engine:
             msg.trace_context.update(step_trace_context(out, stripped, self.scheduler.requests,
                                                         self.config.block_size))
         self.ledger.sent(step_id, [new.request for new in out.new_requests])
+        rpc = asyncio.ensure_future(self.workers.step(msg, self.config.step_timeout_s))
         try:
-            result = await self.workers.step(msg, self.config.step_timeout_s)
+            # NOTE: one turn of the loop lets the RPC task issue the calls before the last
+            # step's streams run; handing outputs over first made every step wait for the
+            # client writes of all its requests (measured by bench/step_overhead.py).
+            await asyncio.sleep(0)
+            self._deliver()
+            result = await rpc
         except StepFailed as exc:
             self.ledger.step_done(step_id, exc.ranks)
             self._step_failed(out, exc)
@@ -266,17 +279,24 @@ class Engine:
                 self.check_invariants()
             return
         except BaseException:  # outcome unknown on every worker
+            rpc.cancel()
             self.ledger.step_done(step_id, range(len(self.workers.addresses)))
             raise
         self.ledger.step_done(step_id)
         for request, output in self.scheduler.update(out, result.sampled, result.logprobs):
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.ledger.release(request)  # nothing held normally; the rule is uniform
-            request.outputs.put_nowait(output)
+            self._undelivered.append((request, output))
         if self._debug_invariants:
             self.check_invariants()
             self.invariant_checks += 1
         self._failed_since_success = False
+
+    def _deliver(self) -> None:
+        """Hand the last step's outputs to their streams, in the order they were sampled."""
+        for request, output in self._undelivered:
+            request.outputs.put_nowait(output)
+        self._undelivered.clear()
 
     def _step_failed(self, out: SchedulerOutput, exc: StepFailed) -> None:
         assert self.scheduler is not None and self.ledger is not None
@@ -461,6 +481,7 @@ class Engine:
     async def stop(self) -> None:
         """Abort everything in flight, stop every task, release the pool (not the cache)."""
         self._set_serving(False)
+        self._deliver()
         if self.scheduler is not None:
             self._fail(list(self.scheduler.requests.values()),
                        Unavailable("the server is shutting down"))
