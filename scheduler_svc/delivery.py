@@ -99,7 +99,7 @@ class DeliveryLedger:
     ``on_redelivered(request, error)`` is called when a preempted request's re-acquisition
     finished (``error`` None) or failed; the caller then wakes the scheduler or fails it.
     ``reuse`` observes every delivery's reference (the processor cache's reuse curve; the
-    engine passes the one CacheStats reports, which outlives the ledger's resets).
+    engine passes the one its CacheStats reports).
 
     Only this class calls the processor cache's ``pinned``/``lookup``/``store``/``release``
     and the writer's ``release``/``reset_reader_slot`` for requests; it runs on the event

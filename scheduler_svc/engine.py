@@ -112,6 +112,7 @@ class Engine:
         # Every processor-cache reference since start (the delivery ledger feeds it); it
         # outlives resets like the counters: the stream it measures is the clients'.
         self.reuse = ReuseCurve()
+        self._reuse_checked = 0  # references when its invariants last held
         self._debug_invariants = os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1"
         self.serving = False
         self.model: ModelInfo | None = None
@@ -321,7 +322,12 @@ class Engine:
         if isinstance(self.cache, ShmProcessorCache):
             self.cache.writer.check_invariants()
         self.ledger.check_invariants()
-        self.reuse.check_invariants()
+        # NOTE: the curve's whole check is O(its 16k stamp slots), tens of milliseconds in
+        # Python; it changes only when images are delivered, so it is checked after the
+        # steps that follow a delivery rather than after every decode step.
+        if self.reuse.references != self._reuse_checked:
+            self.reuse.check_invariants()
+            self._reuse_checked = self.reuse.references
 
     def _segment(self) -> tuple[str, int]:
         if isinstance(self.cache, ShmProcessorCache):
