@@ -140,6 +140,9 @@ def test_the_condition_says_what_to_do() -> None:
     judged = judge_cells(cells(GI), {0: 100 * GI}, {0: CellCache(reading(3 * GI))}, POLICY, auto)
     assert cache_sized_verdict(judged, auto, POLICY)[2].endswith(
         "autoSize (512Mi..8Gi) resizes it to 3Gi")
+    off = judge_cells(cells(0), {0: 100 * GI}, {0: CellCache(reading(3 * GI))}, POLICY, None)
+    assert cache_sized_verdict(off, None, POLICY)[2].endswith(
+        "turn the cache on: set spec.featureCache.type to shm and size to 3Gi")
 
 
 def test_status_cache_reports_the_largest_bounded_recommendation() -> None:

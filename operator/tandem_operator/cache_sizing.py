@@ -159,12 +159,16 @@ def _cell_message(j: Judged, auto: AutoSize | None, policy: SizingPolicy) -> str
                if r.recommended_bytes > j.room else "")
     if j.verdict == RIGHT:
         return f"{where} is right-sized: {seen}{bounded}"
-    action = (f"autoSize ({format_bytes(auto.min)}..{format_bytes(auto.max)}) resizes it to "
-              f"{format_bytes(j.target)}" if auto is not None and j.target is not None
-              else f"autoSize keeps it at its bound {format_bytes(j.current)}"
-              if auto is not None
-              else f"set spec.featureCache.size to {format_bytes(j.recommended)} (or set "
-                   "featureCache.autoSize to let the operator size it)")
+    if auto is not None:
+        action = (f"autoSize ({format_bytes(auto.min)}..{format_bytes(auto.max)}) resizes it "
+                  f"to {format_bytes(j.target)}" if j.target is not None
+                  else f"autoSize keeps it at its bound {format_bytes(j.current)}")
+    elif j.current == 0:  # no cache at all (type none): what one would give
+        action = (f"turn the cache on: set spec.featureCache.type to shm and size to "
+                  f"{format_bytes(j.recommended)}")
+    else:
+        action = (f"set spec.featureCache.size to {format_bytes(j.recommended)} (or set "
+                  "featureCache.autoSize to let the operator size it)")
     return f"{where} is {j.verdict.lower()}: {seen}{bounded}; {action}"
 
 
