@@ -173,7 +173,7 @@ def test_chat_chunks_and_usage() -> None:
     assert last.choices == [] and last.usage.total_tokens == 14
     assert last.usage.prompt_tokens_details.cached_tokens == 8
     assert last.usage.tandem.model_dump() == {"mm_items": 2, "mm_cache_hits": 1,
-                                              "encoder_runs": 1}
+                                              "encoder_runs": 1, "images": []}
     without = asyncio.run(_all(convert.chat_chunks(_iterate(STREAM), META, False, False)))
     assert all(c.usage is None and c.choices[0].logprobs is None for c in without)
 
@@ -237,3 +237,20 @@ def test_the_fetchers_body_limit() -> None:
     assert asyncio.run(read(b"x" * 100, 100)) == b"x" * 100
     with pytest.raises(InvalidInput, match="larger than 99 bytes"):
         asyncio.run(read(b"x" * 100, 99))
+
+
+def test_usage_attributes_each_image() -> None:
+    u = generate_pb2.Usage(mm_items=2, images=[
+        generate_pb2.ImageUsage(key="abc", processor_cache=generate_pb2.PROCESSOR_CACHE_RESULT_HIT,
+                                transport=generate_pb2.IMAGE_TRANSPORT_SHM,
+                                encoder=generate_pb2.ENCODER_RESULT_SKIPPED, cached_tokens=12,
+                                tokens=12),
+        generate_pb2.ImageUsage(key="def",
+                                processor_cache=generate_pb2.PROCESSOR_CACHE_RESULT_REFUSED,
+                                refused_reason="oversize",
+                                transport=generate_pb2.IMAGE_TRANSPORT_INLINE, tokens=64)])
+    assert [i.model_dump() for i in convert.usage(u).tandem.images] == [
+        {"key": "abc", "processor_cache": "hit", "refused_reason": "", "transport": "shm",
+         "encoder": "skipped", "cached_tokens": 12, "tokens": 12},
+        {"key": "def", "processor_cache": "refused", "refused_reason": "oversize",
+         "transport": "inline", "encoder": "", "cached_tokens": 0, "tokens": 64}]

@@ -161,7 +161,27 @@ def usage(u: generate_pb2.Usage) -> schema.Usage:
         total_tokens=u.prompt_tokens + u.completion_tokens,
         prompt_tokens_details=schema.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens),
         tandem=schema.TandemUsage(mm_items=u.mm_items, mm_cache_hits=u.mm_cache_hits,
-                                  encoder_runs=u.encoder_runs))
+                                  encoder_runs=u.encoder_runs,
+                                  images=[image_usage(i) for i in u.images]))
+
+
+def image_usage(i: generate_pb2.ImageUsage) -> schema.TandemImageUsage:
+    """The gRPC ``ImageUsage`` with its enums as lowercase words ("" = unspecified)."""
+    return schema.TandemImageUsage(
+        key=i.key, refused_reason=i.refused_reason, cached_tokens=i.cached_tokens,
+        tokens=i.tokens,
+        processor_cache=_word(generate_pb2.ProcessorCacheResult.Name(i.processor_cache)),
+        transport=_word(generate_pb2.ImageTransport.Name(i.transport)),
+        encoder=_word(generate_pb2.EncoderResult.Name(i.encoder)))
+
+
+def _word(enum_name: str) -> str:
+    """``PROCESSOR_CACHE_RESULT_HIT`` -> ``hit``: the value after the enum's own prefix."""
+    for prefix in ("PROCESSOR_CACHE_RESULT_", "IMAGE_TRANSPORT_", "ENCODER_RESULT_"):
+        if enum_name.startswith(prefix):
+            word = enum_name.removeprefix(prefix).lower()
+            return "" if word == "unspecified" else word
+    raise ValueError(f"not an attribution enum value: {enum_name}")
 
 
 def finish_reason(msg: generate_pb2.GenerateResponse) -> str | None:

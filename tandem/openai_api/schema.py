@@ -104,12 +104,25 @@ class PromptTokensDetails(_Response):
     cached_tokens: int
 
 
+class TandemImageUsage(_Response):
+    """Where one image's work came from (``Usage.images`` of the gRPC API, lowercased)."""
+
+    key: str  # the processor-cache key: the client's uuid, else the content hash
+    processor_cache: str  # hit | miss | refused ("" if unknown)
+    refused_reason: str  # with refused: oversize | full | disabled
+    transport: str  # shm | inline
+    encoder: str  # ran | cached | skipped ("" if the request ended before it was scheduled)
+    cached_tokens: int  # placeholder tokens served from the prefix cache
+    tokens: int  # placeholder tokens of the image
+
+
 class TandemUsage(_Response):
     """Tandem's multimodal cache figures (an extension of OpenAI's usage)."""
 
     mm_items: int  # images in the request
     mm_cache_hits: int  # images whose processed features came from the processor cache
     encoder_runs: int  # images the workers ran through the vision encoder
+    images: list[TandemImageUsage]  # one per image, in prompt order
 
 
 class Usage(_Response):
