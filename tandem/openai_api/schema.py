@@ -11,7 +11,7 @@ Field ranges are checked by the scheduler (one rule set for gRPC and HTTP), not 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -159,12 +159,23 @@ class ChatChoice(_Response):
     finish_reason: str
 
 
-class ChatCompletion(_Response):
+ChoiceT = TypeVar("ChoiceT", bound=_Response)
+
+
+class _Envelope(_Response, Generic[ChoiceT]):
+    """What every completion body, whole or streamed, wraps its choices in; each body
+    names its ``object`` (a literal) and its choice type."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: list[ChoiceT]
+    usage: Usage | None = None  # a stream's chunks carry none but (``include_usage``) the last
+
+
+class ChatCompletion(_Envelope[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
     usage: Usage
 
 
@@ -180,13 +191,8 @@ class ChatChunkChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Envelope[ChatChunkChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -203,13 +209,8 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
 
 
-class Completion(_Response):
-    id: str
+class Completion(_Envelope[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(_Response):
