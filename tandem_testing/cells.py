@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,21 @@ def running_cell(tmp: Path, *flags: str, timeout: float = 90.0,
         channel.close()
         stop_process(proc, 30)
         log.close()
+
+
+@contextlib.contextmanager
+def running_cells(managers: Sequence[contextlib.AbstractContextManager[Cell]],
+                  ) -> Iterator[list[Cell]]:
+    """Cells (``running_cell`` managers) started and stopped in parallel, as each takes
+    seconds either way; a start-up failure is raised once the cells that did start are
+    stopped again."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+        entered = [m for m, f in zip(managers, futures, strict=True) if f.exception() is None]
+        try:
+            yield [f.result() for f in futures]  # raises the first start-up failure
+        finally:
+            list(pool.map(lambda m: m.__exit__(None, None, None), entered))
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> None:

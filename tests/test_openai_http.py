@@ -9,20 +9,17 @@ its own event-loop thread. The tiny built-in model's text is noise, but determin
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
 import ssl
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import httpx
@@ -30,18 +27,31 @@ import openai
 import pytest
 from pki import make_pki
 
-from router_svc.server import RouterConfig, RouterServer, create_router
+from router_svc.server import RouterConfig
 from tandem.openai_api.http_server import HttpConfig
 from tandem.v1 import generate_pb2
-from tandem_testing.cells import Cell, _wait_serving, free_port, png, running_cell, stop_process
+from tandem_testing.cells import (
+    Cell,
+    _wait_serving,
+    free_port,
+    png,
+    running_cell,
+    running_cells,
+    stop_process,
+)
+from tandem_testing.router import RouterThread, running_router
 
-T = TypeVar("T")
 MODEL = "tiny"
 IMAGE = png(7)
 
 
 def data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _client(url: str) -> openai.OpenAI:
+    """The SDK against ``url`` (a cell's or the router's HTTP base)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @dataclass
@@ -52,8 +62,7 @@ class HttpCell:
     metrics_port: int
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                             timeout=60)
+        return _client(self.url)
 
 
 def _cell(tmp: Path) -> Any:
@@ -67,53 +76,19 @@ def _cell(tmp: Path) -> Any:
 def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[HttpCell]]:
     tmp = tmp_path_factory.mktemp("http-cells")
     started = [_cell(tmp / f"cell{i}") for i in range(2)]
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(m.__enter__) for _, _, m in started]
-        entered = [m for (_, _, m), f in zip(started, futures, strict=True)
-                   if f.exception() is None]
-        try:
-            yield [HttpCell(f.result(), f"http://127.0.0.1:{port}",
-                            tmp / f"cell{i}" / "trace.jsonl", metrics)
-                   for i, ((port, metrics, _), f) in enumerate(zip(started, futures,
+    with running_cells([m for _, _, m in started]) as running:
+        yield [HttpCell(cell, f"http://127.0.0.1:{port}", tmp / f"cell{i}" / "trace.jsonl",
+                        metrics)
+               for i, (cell, (port, metrics, _)) in enumerate(zip(running, started,
                                                                    strict=True))]
-        finally:
-            list(pool.map(lambda m: m.__exit__(None, None, None), entered))
-
-
-class RouterThread:
-    """``create_router`` with an HTTP port, on an event loop of its own."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server: RouterServer = self.run(create_router(config))
-        assert self.server.http is not None
-        self.url = f"http://127.0.0.1:{self.server.http.port}"
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                             timeout=60)
-
-    def close(self) -> None:
-        self.run(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
 def router(cells: list[HttpCell]) -> Iterator[RouterThread]:
     config = RouterConfig(cells=tuple(c.cell.target for c in cells), listen="127.0.0.1:0",
                           health_interval=0.2, http=HttpConfig(listen="127.0.0.1:0"))
-    running = RouterThread(config)
-    try:
+    with running_router(config) as running:
         yield running
-    finally:
-        running.close()
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -154,7 +129,7 @@ def _grpc_chat(cell: Cell, text: str, image: bytes, max_tokens: int,
 @pytest.mark.parametrize("via", ["cell", "router"])
 def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell], router: RouterThread,
                                           via: str) -> None:
-    client = cells[0].client() if via == "cell" else router.client()
+    client = cells[0].client() if via == "cell" else _client(router.url)
     text, image = f"What is in this picture ({via})?", png(11 if via == "cell" else 12)
     whole = client.chat.completions.create(
         model=MODEL, messages=_messages(text, image), max_tokens=8, temperature=0,
@@ -186,7 +161,7 @@ def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell], router: RouterT
 
 @pytest.mark.parametrize("via", ["cell", "router"])
 def test_completions_and_models(cells: list[HttpCell], router: RouterThread, via: str) -> None:
-    client = cells[1].client() if via == "cell" else router.client()
+    client = cells[1].client() if via == "cell" else _client(router.url)
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
                                       temperature=0, logprobs=2)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
@@ -223,7 +198,7 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
 @pytest.mark.parametrize("via", ["cell", "router"])
 def test_errors_are_openai_error_objects(cells: list[HttpCell], router: RouterThread,
                                          via: str) -> None:
-    client = cells[0].client() if via == "cell" else router.client()
+    client = cells[0].client() if via == "cell" else _client(router.url)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=_messages("x"), n=2)
     assert _error(caught.value)["param"] == "n"
@@ -273,7 +248,7 @@ def test_bad_input_for_every_endpoint(cells: list[HttpCell], router: RouterThrea
 def test_a_disconnect_aborts_and_releases_everything(cells: list[HttpCell],
                                                      router: RouterThread, via: str) -> None:
     """Mid-stream and while a non-streamed answer is still being generated."""
-    client = cells[0].client() if via == "cell" else router.client()
+    client = cells[0].client() if via == "cell" else _client(router.url)
     long = {"model": MODEL, "messages": _messages("go on", png(31 if via == "cell" else 32)),
             "max_tokens": 1000, "extra_body": {"ignore_eos": True}, "temperature": 0}
     with client.chat.completions.create(**long, stream=True) as stream:

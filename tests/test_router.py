@@ -7,19 +7,16 @@ own event-loop thread so the tests can read its balancer. The last test kills a 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -29,76 +26,40 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from router_svc.routing_key import routing_key
-from router_svc.server import RouterConfig, RouterServer, create_router
+from router_svc.server import RouterConfig
 from router_svc.servicer import CELL_HEADER
 from tandem.cell_stats import parse_per_cell
 from tandem.errors import error_info
 from tandem.v1 import generate_pb2, generate_pb2_grpc
-from tandem_testing.cells import Cell, free_port, png, request, running_cell
+from tandem_testing.cells import Cell, free_port, png, request, running_cell, running_cells
+from tandem_testing.router import RouterThread, running_router
 
-T = TypeVar("T")
 PROMPT = "Describe <image> briefly."
 LOAD_FACTOR = 1.25
 
 
-class RouterThread:
-    """The router on an event loop in a background thread of this process."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server: RouterServer = self.run(create_router(config))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def read(self, fn: Callable[[], T]) -> T:
-        """``fn()`` evaluated on the router's loop (its state is only touched there)."""
-        async def call() -> T:
-            return fn()
-        return self.run(call())
-
-    def generate(self, msg: generate_pb2.GenerateRequest) -> tuple[str, generate_pb2.Usage]:
-        """One request through the router; returns (serving cell, usage)."""
-        call = self.stub.Generate(msg, timeout=120)
-        last = list(call)[-1]
-        assert last.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
-        return dict(call.initial_metadata())[CELL_HEADER], last.usage
-
-    def close(self) -> None:
-        self.channel.close()
-        self.run(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Cell]]:
-    """Three cells, started and stopped in parallel (each takes seconds either way)."""
     tmp = tmp_path_factory.mktemp("router-cells")
-    managers = [running_cell(tmp / f"cell{i}") for i in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(m.__enter__) for m in managers]
-        entered = [m for m, f in zip(managers, futures, strict=True) if f.exception() is None]
-        try:
-            yield [f.result() for f in futures]  # raises the first start-up failure
-        finally:
-            list(pool.map(lambda m: m.__exit__(None, None, None), entered))
+    with running_cells([running_cell(tmp / f"cell{i}") for i in range(3)]) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def router(cells: list[Cell]) -> Iterator[RouterThread]:
     config = RouterConfig(cells=tuple(c.target for c in cells), listen="127.0.0.1:0",
                           load_factor=LOAD_FACTOR, health_interval=0.2)
-    running = RouterThread(config)
-    try:
+    with running_router(config) as running:
         yield running
-    finally:
-        running.close()
+
+
+def _generate(router: RouterThread, msg: generate_pb2.GenerateRequest,
+              ) -> tuple[str, generate_pb2.Usage]:
+    """One request through the router; returns (serving cell, usage)."""
+    call = router.stub.Generate(msg, timeout=120)
+    last = list(call)[-1]
+    assert last.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+    return dict(call.initial_metadata())[CELL_HEADER], last.usage
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -146,7 +107,7 @@ def test_repeated_images_keep_nine_tenths_of_single_cell_hits(
     routed = 0
     for s in seeds:
         msg = request(PROMPT, [png(s)], max_tokens=1, cache_salt="routed")
-        cell, usage = router.generate(msg)
+        cell, usage = _generate(router, msg)
         assert cell == router.server.balancer.ring.primary(routing_key(msg, 16))
         routed += usage.mm_cache_hits
     assert routed >= 0.9 * single
@@ -165,9 +126,8 @@ def test_hot_key_spills_within_the_load_bound(router: RouterThread, cells: list[
     balancer = router.server.balancer
     router.read(lambda: balancer.peak_in_flight.update(dict.fromkeys(balancer.cells, 0)))
     with ThreadPoolExecutor(9) as pool:
-        served = list(pool.map(lambda _: router.generate(
-            request(PROMPT, [hot], max_tokens=6, cache_salt="hot", ignore_eos=True))[0],
-            range(9)))
+        served = list(pool.map(lambda _: _generate(router, request(
+            PROMPT, [hot], max_tokens=6, cache_salt="hot", ignore_eos=True))[0], range(9)))
     peaks, spills, healthy = router.read(lambda: (
         dict(balancer.peak_in_flight), balancer.decision_counts("spill"), len(balancer.healthy)))
     assert healthy == 3 and sum(spills.values()) > 0 and len(set(served)) >= 2
@@ -218,13 +178,13 @@ def test_a_paused_cell_loses_its_keys_and_gets_them_back(
     try:
         _wait(lambda: router.read(lambda: victim.target not in balancer.healthy))
         for data in images:
-            cell, _ = router.generate(request(PROMPT, [data], max_tokens=1, cache_salt="pause"))
+            cell, _ = _generate(router, request(PROMPT, [data], max_tokens=1, cache_salt="pause"))
             assert cell != victim.target
     finally:
         os.kill(victim.proc.pid, signal.SIGCONT)
     _wait(lambda: router.read(lambda: victim.target in balancer.healthy))
     for data in images:
-        cell, _ = router.generate(request(PROMPT, [data], max_tokens=1, cache_salt="pause"))
+        cell, _ = _generate(router, request(PROMPT, [data], max_tokens=1, cache_salt="pause"))
         assert cell == victim.target
 
 
@@ -325,7 +285,7 @@ def test_requests_survive_a_killed_cell(router: RouterThread, cells: list[Cell])
     _kill_cell(victim)
     # No waiting for the health poller: the first call fails UNAVAILABLE and is retried.
     for data in images:
-        cell, usage = router.generate(request(PROMPT, [data], max_tokens=2, cache_salt="kill"))
+        cell, usage = _generate(router, request(PROMPT, [data], max_tokens=2, cache_salt="kill"))
         assert cell != victim.target and usage.completion_tokens == 2
     assert router.read(lambda: victim.target not in balancer.healthy)
     assert router.read(lambda: sum(balancer.decision_counts("failover").values())) \
