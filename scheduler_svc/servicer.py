@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 import grpc
 
@@ -26,14 +27,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         first = True
-        model = self.engine.model.name if self.engine.model is not None else "unknown"
-        with RequestTelemetry(model, request, self.latency) as telemetry:
-            async for req, out in self.engine.generate(request, telemetry.trace):
+        async with aclosing(responses(self.engine, request, self.latency)) as stream:
+            async for msg in stream:
                 if first:
-                    await context.send_initial_metadata((("x-request-id", req.request_id),))
+                    await context.send_initial_metadata((("x-request-id", msg.request_id),))
                     first = False
-                telemetry.output(req, out.token_ids)
-                yield to_response(req, out, self.engine.tokenizer)
+                yield msg
 
     async def CacheStats(self, request: generate_pb2.CacheStatsRequest,
                          context: grpc.aio.ServicerContext) -> generate_pb2.CacheStatsResponse:
@@ -43,6 +42,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                            context: grpc.aio.ServicerContext,
                            ) -> generate_pb2.GetModelInfoResponse:
         return self.engine.model_info()
+
+
+async def responses(engine: Engine, request: generate_pb2.GenerateRequest,
+                    latency: RequestLatency | None,
+                    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """One request's stream, the one place both APIs run it (gRPC here, HTTP through
+    ``http_backend``): inside its RequestTelemetry (the ``generate_content`` span and the
+    latency histograms), one ``to_response`` message per step."""
+    model = engine.model.name if engine.model is not None else "unknown"
+    with RequestTelemetry(model, request, latency) as telemetry:
+        # aclosing: when this stream is closed (the client left), the engine's stream closes
+        # (and aborts the request) now, not whenever the garbage collector finalizes it.
+        async with aclosing(engine.generate(request, telemetry.trace)) as outputs:
+            async for req, out in outputs:
+                telemetry.output(req, out.token_ids)
+                yield to_response(req, out, engine.tokenizer)
 
 
 def to_response(req: Request, out: StepOutput,
