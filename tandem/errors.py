@@ -112,20 +112,22 @@ def classify(exc: BaseException) -> TandemError:
     return TandemError("internal error; see the server log")
 
 
-def log_unexpected(exc: BaseException, err: TandemError) -> None:
-    """Log an exception that ``classify`` had to translate (the client never sees its text)."""
+def reported(exc: BaseException) -> TandemError:
+    """``classify(exc)``, logging the exception when it had to be translated (the client
+    never sees its text): what every API answers for ``exc``."""
+    err = classify(exc)
     if err is not exc:
         log.log(
             logging.WARNING if isinstance(exc, shm_errors.ShmError) else logging.ERROR,
             "request failed: %s", exc, exc_info=not isinstance(exc, shm_errors.ShmError),
         )
+    return err
 
 
 def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object (``{"error": {message, type, param, code}}``)
     for any exception, through the same ``classify`` and code as the gRPC status."""
-    err = classify(exc)
-    log_unexpected(exc, err)
+    err = reported(exc)
     status, kind = HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
     return status, {"error": {"message": err.message, "type": kind, "param": err.param,
                               "code": err.reason.lower()}}
@@ -146,8 +148,7 @@ def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tup
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Abort the RPC with the status that ``exc`` maps to (logs unexpected errors)."""
-    err = classify(exc)
-    log_unexpected(exc, err)
+    err = reported(exc)
     context.set_trailing_metadata(rich_status(err))
     await context.abort(err.code, err.message)
 
@@ -174,8 +175,8 @@ def error_info(exc: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping any RPC method to a status, in one place.
 
-    Wraps unary-unary and unary-stream behaviours (the shapes Tandem uses); cancellation
-    propagates untouched.
+    Wraps unary-unary, unary-stream and stream-stream behaviours (the shapes Tandem uses);
+    cancellation propagates untouched.
     """
 
     async def intercept_service(
@@ -199,6 +200,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(stream) if inspect.isasyncgenfunction(stream)
                 else _wrap_unary(stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(
+                handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,7 +21,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from tandem.errors import ResourceExhausted, Unavailable
+from tandem.errors import ResourceExhausted, Unavailable, reported
 from tandem.grpc_server import GrpcServer
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
@@ -45,7 +45,7 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Describe and Step. A thin adapter over :class:`StepRunner`.
+    """Describe, Step and Steps. A thin adapter over :class:`StepRunner`.
 
     Steps run one at a time on a single worker thread, so the event loop keeps answering
     health checks during a step. Errors are mapped to statuses by the server's
@@ -95,6 +95,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Step(self, request: worker_pb2.StepRequest,
                    context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
+        return await self._run(request)
+
+    async def Steps(self, requests: AsyncIterator[worker_pb2.StepsRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepsResponse]:
+        """The scheduler's step stream. Steps run in arrival order on the one step thread
+        (gRPC buffers those sent meanwhile). A failed step is answered with its error, the
+        status Step would end with; every later one with ``not_run``: the scheduler built
+        them on the failed step's effects (worker.proto). Only a broken tensor-parallel
+        group ends the stream (and the process)."""
+        failed = False
+        async for request in requests:
+            step_id = request.step.step_id
+            if failed:
+                yield worker_pb2.StepsResponse(step_id=step_id, not_run=True)
+                continue
+            try:
+                done = await self._run(request.step)
+            except GroupLost:
+                raise
+            except Exception as exc:
+                failed = True
+                err = reported(exc)
+                yield worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
+                    code=err.code.value[0], message=err.message, reason=err.reason))
+                continue
+            yield worker_pb2.StepsResponse(step_id=step_id, done=done)
+
+    async def _run(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         if not self.ready.is_set():
             raise Unavailable("the worker is still warming up", reason="WARMING_UP")
         loop = asyncio.get_running_loop()

@@ -197,3 +197,31 @@ class StepResponse(_message.Message):
     shm_acked: int
     encoder_runs: int
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Mapping[str, SampledTokens]] = ..., shm_resolved: _Optional[int] = ..., shm_acked: _Optional[int] = ..., encoder_runs: _Optional[int] = ...) -> None: ...
+
+class StepsRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepRequest
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class StepsResponse(_message.Message):
+    __slots__ = ("step_id", "done", "error", "not_run")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NOT_RUN_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    done: StepResponse
+    error: StepError
+    not_run: bool
+    def __init__(self, step_id: _Optional[int] = ..., done: _Optional[_Union[StepResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., not_run: _Optional[bool] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

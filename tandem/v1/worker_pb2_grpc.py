@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/tandem.v1.Worker/Steps',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.StepsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +68,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """The scheduler's persistent step channel: the worker runs the steps one at a time, in
+        the order they arrive, and answers each, in the same order, so the scheduler may send
+        step N+1 before step N's answer is back. A step that fails is answered with its error
+        (what Step's status would be), and every later step on the same stream with not_run:
+        the scheduler built those on the failed step's effects. The scheduler then opens a
+        new stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +92,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StepsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.StepsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +153,33 @@ class Worker:
             '/tandem.v1.Worker/Step',
             tandem_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/Steps',
+            tandem_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.StepsResponse.FromString,
             options,
             channel_credentials,
             insecure,
