@@ -42,6 +42,9 @@ class SchedulerConfig:
     min_pixels: int = 0  # images are resized into this range; 0 = the model's
     max_pixels: int = 0
     step_timeout_s: float = 60.0
+    # Send step N+1 while the workers run step N (docs/scheduler.md, "Asynchronous
+    # scheduling"); off: one step at a time.
+    async_scheduling: bool = True
     metrics_port: int = 0
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)

@@ -19,7 +19,9 @@ A reference is in one of four places, and :class:`DeliveryLedger` records which:
   hit, and again when a preempted request resumes, all through one de-duplicated path
   (:meth:`DeliveryLedger.acquire`, :meth:`DeliveryLedger.redeliver`); given back
   (:meth:`DeliveryLedger.release`) when the request ends without sending it;
-* **in flight**: in a step handed to the workers, outcome not known yet;
+* **in flight**: in a step handed to the workers, outcome not known yet (with asynchronous
+  scheduling two steps may be out: a worker may acknowledge the later one's references
+  any time after it completed the earlier one);
 * **delivered**: the step succeeded on every worker; the ledger forgets it;
 * **in doubt** on a slot: the step failed there (timed out, cancelled, refused, the worker
   died...), so that worker may or may not have acknowledged it. Workers run steps one at a
@@ -77,6 +79,7 @@ class _Doubt:
 
     desc: ShmDescriptor  # names the object (its refs field is not meaningful here)
     per_slot: list[int]  # slot -> references that slot may not have acknowledged
+    exact: bool = False  # per_slot is what the slots left unacknowledged (settled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,19 +281,25 @@ class DeliveryLedger:
                 doubt = self._doubt.setdefault(
                     desc.monotonic_id, _Doubt(desc, [0] * self.n_readers))
                 doubt.per_slot[slot] += desc.refs
+                doubt.exact = False
         self._unsettled.update(failed_slots)
         if not failed_slots:
             self._settle()
 
     def _settle(self) -> None:
         """Every slot just completed a step, so no earlier step can still acknowledge:
-        read what each slot left unacknowledged, release what no slot acknowledged."""
+        read what each slot left unacknowledged, release what no slot acknowledged.
+        Objects that a later step still out also carries wait for a settle without it
+        (that step may be acknowledging them now)."""
         self._unsettled.clear()
         if not self._doubt or self.writer is None:
             return
         outstanding = self.writer.outstanding()
         expected = self._expected()
+        sent = self._sent()
         for mid, doubt in list(self._doubt.items()):
+            if sent[mid]:
+                continue
             left = outstanding.get(mid, (0,) * self.n_readers)
             for slot, n in enumerate(left):
                 still = n - expected[mid]
@@ -299,6 +308,7 @@ class DeliveryLedger:
                                        f"the ledger expects {expected[mid]} plus at most "
                                        f"{doubt.per_slot[slot]} in doubt")
                 doubt.per_slot[slot] = still
+            doubt.exact = True
             never = min(doubt.per_slot)
             if never:
                 self.writer.release(replace(doubt.desc, refs=never))
@@ -329,10 +339,19 @@ class DeliveryLedger:
 
     def _expected(self) -> Counter[int]:
         """Per object: references outstanding on every slot (held and in flight)."""
+        return self._held() + self._sent()
+
+    def _held(self) -> Counter[int]:
+        """Per object: references held by requests (not sent yet)."""
         counts: Counter[int] = Counter()
         for holding in self._holdings.values():
             for desc in holding.refs:
                 counts[desc.monotonic_id] += desc.refs
+        return counts
+
+    def _sent(self) -> Counter[int]:
+        """Per object: references in steps still out (a slot may have acknowledged them)."""
+        counts: Counter[int] = Counter()
         for refs in self._in_flight.values():
             for desc in refs:
                 counts[desc.monotonic_id] += desc.refs
@@ -350,24 +369,28 @@ class DeliveryLedger:
 
     def check_invariants(self) -> None:
         """The writer's counters, per object and slot, equal what this ledger accounts for:
-        held + in flight + in doubt, where a slot whose last step failed may already have
-        acknowledged some of its doubts. With every slot settled the totals match too."""
+        held + in flight + in doubt, where a slot may already have acknowledged what is in
+        flight, and a slot whose last step failed some of its doubts. With every slot
+        settled and no step out the totals match too."""
         if self.writer is None:
             assert not self._doubt and not any(h.refs for h in self._holdings.values())
             return
         outstanding = self.writer.outstanding()
-        expected = self._expected()
+        held, sent = self._held(), self._sent()
         zero = (0,) * self.n_readers
-        for mid in outstanding.keys() | expected.keys() | self._doubt.keys():
+        for mid in outstanding.keys() | held.keys() | sent.keys() | self._doubt.keys():
             left = outstanding.get(mid, zero)
-            doubt = self._doubt[mid].per_slot if mid in self._doubt else list(zero)
+            entry = self._doubt.get(mid)
+            doubt = entry.per_slot if entry is not None else list(zero)
+            exact = entry is None or entry.exact
             for slot in range(self.n_readers):
-                low = expected[mid] + (0 if slot in self._unsettled else doubt[slot])
-                high = expected[mid] + doubt[slot]
+                low = held[mid] + (doubt[slot] if exact and slot not in self._unsettled else 0)
+                high = held[mid] + sent[mid] + doubt[slot]
                 assert low <= left[slot] <= high, (
                     f"object {mid} slot {slot}: writer shows {left[slot]} unacknowledged, "
                     f"ledger accounts for {low}..{high}")
-        if not self._unsettled:
+        if not (self._unsettled or self._in_flight
+                or any(not d.exact for d in self._doubt.values())):
             unacked = self.writer.stats().unacked_refs
             assert unacked == self.stats().refs, (
                 f"writer unacked_refs {unacked} != ledger {self.stats()}")

@@ -2,9 +2,12 @@
 
 Requests enter through :meth:`Engine.generate`, which yields their step outputs; the loop
 in :meth:`Engine._run` schedules, sends the step to every worker, and routes what they
-sampled back to each request's queue. All scheduling state is touched only on the event
-loop's thread; image decoding runs in a thread pool. The SHM references of every request
-belong to the delivery ledger (:mod:`scheduler_svc.delivery`).
+sampled back to each request's queue. With asynchronous scheduling (the default) the
+loop keeps two steps out: it schedules and sends step N+1 while the workers run step N,
+then applies N's results while they run N+1, so neither the round trip nor the
+scheduler's own work sits between two forwards (docs/scheduler.md). All scheduling state
+is touched only on the event loop's thread; image decoding runs in a thread pool. The SHM
+references of every request belong to the delivery ledger (:mod:`scheduler_svc.delivery`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ from scheduler_svc.scheduler import (
     SchedulerOutput,
 )
 from scheduler_svc.step_message import build_step_request
-from scheduler_svc.worker_client import StepFailed, WorkerPool
+from scheduler_svc.worker_client import SentStep, StepFailed, WorkerPool
 from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.features import MultiModalKwargsItem
@@ -69,6 +73,15 @@ class ModelInfo:
     image_token_id: int | None  # None: the model takes no images
 
 
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """A step sent to the workers whose results the engine has not applied yet."""
+
+    step_id: int
+    out: SchedulerOutput
+    sent: SentStep
+
+
 def _internal() -> TandemError:
     """What a client sees of an error the engine did not expect (details go to the log)."""
     return TandemError("internal error; see the server log")
@@ -101,8 +114,12 @@ class Engine:
         self._lost: list[int] = []  # ranks whose health stream ended, for the loop
         self._losses = 0
         self._step_id = 0
-        # The last step's outputs, handed to their streams once the next step is on its way
-        # (see _step); every path that does not start a step hands them over first.
+        # Steps sent and not applied yet, oldest first: at most _depth of them.
+        self._out: deque[_Out] = deque()
+        self._depth = 2 if config.async_scheduling else 1
+        # Applied outputs not yet handed to their streams: with no step out, they wait
+        # until the next one is on its way (see _send); every path that does not start a
+        # step hands them over first.
         self._undelivered: list[tuple[Request, StepOutput]] = []
         self._failed_since_success = False  # an unexpected error, and no step succeeded since
         self._broken = False  # NOT_SERVING for good: the loop could not go on
@@ -226,6 +243,7 @@ class Engine:
             try:
                 await self._iterate()
             except Exception:
+                self._abandon()
                 self._deliver()
                 self.errors += 1
                 log.exception("unexpected error in the engine loop: failing every request")
@@ -234,27 +252,37 @@ class Engine:
 
     async def _iterate(self) -> None:
         assert self.scheduler is not None and self.ledger is not None
-        if self._lost or not self.serving or not self.scheduler.has_work:
+        if self._lost or not self.serving:
             self._deliver()
         if self._lost:
             ranks, self._lost = tuple(self._lost), []
             if self.serving:  # else a failed step noticed first
-                self._lose_workers(ranks, "health stream ended", None)
-        if not self.serving or not self.scheduler.has_work:
-            self._wake.clear()
+                self._lose_workers(ranks, "health stream ended", self._abandon())
+        if (self.serving and self.scheduler.has_work and len(self._out) < self._depth):
+            out = self.scheduler.schedule()
+            for rid in out.preempted_request_ids:
+                request = self.scheduler.requests.get(rid)
+                if request is not None:  # else it ended since it was preempted
+                    self.ledger.redeliver(request)
+            if not out.is_empty:
+                await self._send(out)
+                if len(self._out) < self._depth:
+                    return  # room for one more step before waiting for the oldest
+            elif not self._out:
+                self._deliver()
+                self._wake.clear()
+                await asyncio.sleep(0.01)  # nothing fits now; retry after others change
+                self._wake.set()
+                return
+        if self._out:
+            await self._complete_oldest()
             return
-        out = self.scheduler.schedule()
-        for rid in out.preempted_request_ids:
-            self.ledger.redeliver(self.scheduler.requests[rid])
-        if out.is_empty:
-            self._deliver()
-            self._wake.clear()
-            await asyncio.sleep(0.01)  # nothing fits now; retry after others change
-            self._wake.set()
-            return
-        await self._step(out)
+        self._deliver()
+        self._wake.clear()
 
-    async def _step(self, out: SchedulerOutput) -> None:
+    async def _send(self, out: SchedulerOutput) -> None:
+        """Build the step message and write it to every worker; then hand the outputs
+        applied before it to their streams (their client writes no longer delay a step)."""
         assert self.scheduler is not None and self.model is not None and self.ledger is not None
         self._step_id += 1
         step_id = self._step_id
@@ -265,33 +293,56 @@ class Engine:
             msg.trace_context.update(step_trace_context(out, stripped, self.scheduler.requests,
                                                         self.config.block_size))
         self.ledger.sent(step_id, [new.request for new in out.new_requests])
-        rpc = asyncio.ensure_future(self.workers.step(msg, self.config.step_timeout_s))
         try:
-            # NOTE: one turn of the loop lets the RPC task issue the calls before the last
-            # step's streams run; handing outputs over first made every step wait for the
-            # client writes of all its requests (measured by bench/step_overhead.py).
-            await asyncio.sleep(0)
-            self._deliver()
-            result = await rpc
+            sent = await self.workers.send(msg)
+        except BaseException:  # outcome unknown on every worker
+            self.ledger.step_done(step_id, range(len(self.workers.addresses)))
+            raise
+        self._out.append(_Out(step_id, out, sent))
+        self._deliver()
+
+    async def _complete_oldest(self) -> None:
+        """Wait for the oldest step out and apply its results (or its failure)."""
+        assert self.scheduler is not None and self.ledger is not None
+        step = self._out[0]
+        try:
+            result = await self.workers.result(step.sent, self.config.step_timeout_s)
         except StepFailed as exc:
-            self.ledger.step_done(step_id, exc.ranks)
-            self._step_failed(out, exc)
+            self._out.popleft()
+            self.ledger.step_done(step.step_id, exc.ranks)
+            await self._step_failed(step, exc)
             if self._debug_invariants:  # a failed step too: its references are in doubt
                 self.check_invariants()
             return
         except BaseException:  # outcome unknown on every worker
-            rpc.cancel()
-            self.ledger.step_done(step_id, range(len(self.workers.addresses)))
+            self._abandon()
             raise
-        self.ledger.step_done(step_id)
-        for request, output in self.scheduler.update(out, result.sampled, result.logprobs):
+        self._out.popleft()
+        self.ledger.step_done(step.step_id)
+        for request, output in self.scheduler.update(step.out, result.sampled,
+                                                     result.logprobs):
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.ledger.release(request)  # nothing held normally; the rule is uniform
             self._undelivered.append((request, output))
+        if self._out:  # the workers are busy with the next step: no reason to wait
+            self._deliver()
         if self._debug_invariants:
             self.check_invariants()
             self.invariant_checks += 1
         self._failed_since_success = False
+
+    def _abandon(self) -> list[SchedulerOutput]:
+        """Give up on every step out (a worker is lost, or the loop failed): their outcome
+        is unknown on every worker. Returns them, oldest first."""
+        assert self.ledger is not None
+        every = range(len(self.workers.addresses))
+        outs = []
+        while self._out:
+            step = self._out.popleft()
+            self.ledger.step_done(step.step_id, every)
+            outs.append(step.out)
+        self.workers.end_streams()
+        return outs
 
     def _deliver(self) -> None:
         """Hand the last step's outputs to their streams, in the order they were sampled."""
@@ -299,17 +350,38 @@ class Engine:
             request.outputs.put_nowait(output)
         self._undelivered.clear()
 
-    def _step_failed(self, out: SchedulerOutput, exc: StepFailed) -> None:
+    async def _step_failed(self, step: _Out, exc: StepFailed) -> None:
         assert self.scheduler is not None and self.ledger is not None
         if not exc.refused:
-            self._lose_workers(exc.ranks, str(exc), out)
+            self._lose_workers(exc.ranks, str(exc), [step.out, *self._abandon()])
             return
         # A healthy worker refused the step as invalid: it changed nothing, and only the
         # requests of this step are suspect (a scheduler bug, logged by the worker pool).
-        failed = self.scheduler.refused(out, generate_pb2.FINISH_REASON_ABORT)
+        # It ran nothing queued behind it either (worker.proto, Steps): those steps fail
+        # as not run, and are undone after it.
+        later = list(self._out)
+        self._out.clear()
+        every = range(len(self.workers.addresses))
+        unapplied = True
+        for queued in later:
+            try:
+                await self.workers.result(queued.sent, self.config.step_timeout_s)
+            except StepFailed as behind:
+                self.ledger.step_done(queued.step_id, behind.ranks)
+                unapplied &= behind.not_run and len(behind.ranks) == len(every)
+            else:
+                self.ledger.step_done(queued.step_id)
+                unapplied = False
+        if not unapplied:  # a worker ran a step built on the refused one: state unknown
+            self._lose_workers(exc.ranks, "a worker ran a step queued behind a refused one",
+                               [step.out, *(q.out for q in later)])
+            return
+        failed = self.scheduler.refused(step.out, generate_pb2.FINISH_REASON_ABORT)
+        for queued in later:
+            self.scheduler.unapplied(queued.out)
         log.error("step %d refused by worker(s) %s: failing its %d new requests, "
-                  "recomputing %d", self._step_id, exc.ranks, len(failed),
-                  len(out.cached_requests))
+                  "recomputing %d and %d steps queued behind it", step.step_id, exc.ranks,
+                  len(failed), len(step.out.cached_requests), len(later))
         for request in failed:
             self.ledger.release(request)
             request.outputs.put_nowait(_internal())
@@ -343,7 +415,7 @@ class Engine:
             self._wake.set()
 
     def _lose_workers(self, ranks: tuple[int, ...], why: str,
-                      out: SchedulerOutput | None) -> None:
+                      outs: Sequence[SchedulerOutput]) -> None:
         """Fail every request with UNAVAILABLE, forget worker state, wait for the workers.
 
         No reader slot is touched: a worker that timed out may still be running the step
@@ -356,7 +428,7 @@ class Engine:
         self._fail(list(self.scheduler.requests.values()),
                    Unavailable(f"worker {ranks[0]} failed; retry the request"))
         request_ids, mm_hashes = self.scheduler.leftovers()
-        if out is not None:  # the failed step's releases may not have reached the workers
+        for out in outs:  # the failed steps' releases may not have reached the workers
             request_ids += out.finished_request_ids + out.preempted_request_ids
             mm_hashes += out.free_encoder_mm_hashes
         self._reset_state()
@@ -402,6 +474,11 @@ class Engine:
             log.info("workers are back; serving again")
             self._set_serving(True)
             return
+
+    @property
+    def steps_out(self) -> int:
+        """Steps sent to the workers whose results are not applied yet."""
+        return len(self._out)
 
     @property
     def worker_losses(self) -> int:

@@ -106,7 +106,10 @@ class Request:
     media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
     mm_cache_hits: int = 0
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens scheduled so far: advanced when scheduled
+    # Tokens that steps still in flight will sample for it (asynchronous scheduling): the
+    # workers feed them to the next step themselves, the scheduler learns them afterwards.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix hit of the first scheduling; -1 = not yet scheduled
     encoder_runs: int = 0
     preemptions: int = 0

@@ -8,6 +8,17 @@ run out, the most recently arrived running request is preempted by recompute.
 
 Nothing here does I/O: :meth:`Scheduler.schedule` returns a :class:`SchedulerOutput`, the
 engine sends it to the workers, and :meth:`Scheduler.update` applies what they sampled.
+
+A step's tokens count as computed as soon as it is scheduled, and a step that completes a
+request's known tokens leaves one *output placeholder* on it: the token the workers will
+sample. So the next step can be scheduled before the last one's results are back
+(asynchronous scheduling): a decoding request gets one more token scheduled, which the
+workers take from their own sample. Stops stay exact: results are applied in step order,
+a request that a result finishes is released in the next step (the token the workers
+computed past its end is dropped), and a request whose placeholders already reach its
+``max_tokens`` is not scheduled again. Applying results in step order is enough for
+every rule here as long as at most two steps are out at once (the engine's depth): a
+request preempted while a step is out is admitted again only after that step's results.
 """
 
 from __future__ import annotations
@@ -85,6 +96,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # requests preempted in this step: back in the waiting queue, workers drop their state
     preempted_request_ids: list[str] = field(default_factory=list)
+    # encoder outputs this step allocated (the workers compute them in it)
+    allocated_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -132,7 +145,6 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the workers in the next step
         self._preempted_ids: list[str] = []  # preempted between steps, likewise
         self._orphan_mm_hashes: list[str] = []  # encoder outputs of a predecessor, to drop
-        self._allocated: list[str] = []  # encoder outputs the last schedule() allocated
         self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
@@ -154,27 +166,40 @@ class Scheduler:
         self._orphan_mm_hashes += mm_hashes
 
     def refused(self, out: SchedulerOutput, reason: int) -> list[Request]:
-        """The workers refused ``out`` (the last :meth:`schedule`), which changes nothing on
-        them: undo it.
+        """The workers refused ``out``, which changes nothing on them: undo it (then
+        :meth:`unapplied` for the steps scheduled after it).
 
         Its new requests are finished and returned, for the caller to fail: a new request
         carries what a worker checks (tokens, features, blocks), so it is the likely cause.
         Its cached requests, accepted before, are preempted and start over as new ones:
-        their blocks of this step never reached the workers. The encoder outputs it
-        allocated (never computed) are forgotten, and the releases it carried are sent
-        again with the next step.
+        their blocks of this step never reached the workers.
         """
         new = [n.request for n in out.new_requests if not n.request.is_finished]
         for request in new:
             self.finish(request, reason)
+        self._undo(out)
+        return new
+
+    def unapplied(self, out: SchedulerOutput) -> None:
+        """The workers never ran ``out``: it was queued behind a step they refused. Every
+        request of it still running starts over, its new ones included (nothing of them
+        is suspect)."""
+        for new in reversed(out.new_requests):
+            if new.request.status is Status.RUNNING:
+                self._preempt(new.request, None)
+        self._undo(out)
+
+    def _undo(self, out: SchedulerOutput) -> None:
+        """The rest of undoing a step the workers did not apply: its cached requests start
+        over, the encoder outputs it allocated (never computed) are forgotten, and the
+        releases it carried are sent again with the next step."""
         for cached in reversed(out.cached_requests):  # the earliest ends up first in line
             request = self.requests.get(cached.request_id)
-            if request is not None:  # else aborted while the step was out
+            if request is not None and request.status is Status.RUNNING:  # else gone already
                 self._preempt(request, None)
-        self.encoder.forget(self._allocated)
+        self.encoder.forget(out.allocated_mm_hashes)
         self.release_on_workers(out.finished_request_ids + out.preempted_request_ids,
                                 out.free_encoder_mm_hashes)
-        return new
 
     def add_request(self, request: Request) -> None:
         request.update_block_hashes(self.kv.block_size)
@@ -199,22 +224,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               preempted_request_ids=self._preempted_ids)
-        self._finished_ids, self._preempted_ids, self._allocated = [], [], []
+        self._finished_ids, self._preempted_ids = [], []
         budget = self.limits.max_num_batched_tokens
         encoder_budget = self.limits.max_num_encoder_tokens
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if (request.num_output_placeholders and request.num_output_tokens
+                    + request.num_output_placeholders >= request.sampling.max_tokens):
+                continue  # the step in flight samples its last token
+            n = min(request.num_tokens + request.num_output_placeholders
+                    - request.num_computed_tokens, budget)
             n, enc, encoder_budget = self._schedule_encoder(request, n, encoder_budget)
             if n == 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, n, out)
             if new_blocks is None:
                 continue
-            self._commit(request, n, enc, out)
             out.cached_requests.append(CachedRequestData(
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            self._commit(request, n, enc, out)
             budget -= n
         # NOTE: after any preemption nothing is admitted in this step, not even requests
         # that would fit: the victim sits at the head of the queue and, when it shares
@@ -251,23 +280,27 @@ class Scheduler:
                 self.counters.prompt_tokens += request.num_prompt_tokens
             request.status = Status.RUNNING
             self.running.append(request)
-            self._commit(request, n, enc, out)
             out.new_requests.append(NewRequestData(
                 request, self.kv.get_block_ids(request.request_id), num_computed))
+            self._commit(request, n, enc, out)
             budget -= n
         return budget, encoder_budget
 
     def _commit(self, request: Request, n: int, enc: list[int], out: SchedulerOutput) -> None:
+        """``n`` tokens of ``request`` (and its encoder inputs ``enc``) are in ``out``."""
         record_encoder(request.images, request.features, request.num_computed_tokens, n, enc)
         for i in enc:
             f = request.features[i]
             self.encoder.allocate(request.request_id, f.identifier, f.mm_position.length)
-            self._allocated.append(f.identifier)
+            out.allocated_mm_hashes.append(f.identifier)
         request.encoder_runs += len(enc)
         self.counters.encoder_runs += len(enc)
         out.num_scheduled_tokens[request.request_id] = n
         if enc:
             out.encoder_inputs[request.request_id] = enc
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1  # the step samples its next token
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -317,7 +350,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         self.encoder.free(request.request_id)
         request.status = Status.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_output_placeholders = 0
         request.preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
@@ -332,29 +365,33 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: Mapping[str, Sequence[worker_pb2.SampledLogprobs]] | None = None,
                ) -> list[tuple[Request, StepOutput]]:
-        """Apply a finished step: advance computed tokens, append samples, check stops
-        (ids and length here, stop strings in the request's text), decode the text.
+        """Apply a finished step (the oldest one out): free encoder inputs and cache blocks
+        up to what it computed, append samples, check stops (ids and length here, stop
+        strings in the request's text), decode the text.
 
         ``logprobs`` has an entry per token of ``sampled`` for requests that asked."""
+        before = {n.request.request_id: n.num_computed_tokens for n in out.new_requests}
+        before.update((c.request_id, c.num_computed_tokens) for c in out.cached_requests)
         results: list[tuple[Request, StepOutput]] = []
         for request_id, n in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not Status.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += n
+                continue  # aborted or preempted while the step ran
+            computed = before[request_id] + n  # a later step may be out already
             for f in request.features:
-                if f.is_covered(request.num_computed_tokens):
+                if f.is_covered(computed):
                     self.encoder.free_encoder_input(request_id, f.identifier)
             new = sampled.get(request_id, [])
             if not new:
-                self.kv.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)
+                self.kv.cache_blocks(request_id, request.block_hashes, computed)
                 continue
+            request.num_output_placeholders -= 1
             results.append((request, self._append(
-                request, new, (logprobs or {}).get(request_id, ()))))
+                request, new, (logprobs or {}).get(request_id, ()), computed)))
         return results
 
     def _append(self, request: Request, new: list[int],
-                logprobs: Sequence[worker_pb2.SampledLogprobs]) -> StepOutput:
+                logprobs: Sequence[worker_pb2.SampledLogprobs], computed: int) -> StepOutput:
         """Append ``new`` up to its first stop and finish the request there, if any."""
         new, reason = _apply_stop(request, new)
         delta = request.text.feed(new, request.num_output_tokens)
@@ -362,8 +399,7 @@ class Scheduler:
             new, reason = new[:delta.kept], generate_pb2.FINISH_REASON_STOP
         request.token_ids.extend(new)
         request.update_block_hashes(self.kv.block_size)
-        self.kv.cache_blocks(request.request_id, request.block_hashes,
-                             request.num_computed_tokens)
+        self.kv.cache_blocks(request.request_id, request.block_hashes, computed)
         text = delta.text
         if reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             text += request.text.finish()

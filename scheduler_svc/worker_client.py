@@ -1,10 +1,11 @@
-"""The scheduler's side of the worker connections: one channel per rank."""
+"""The scheduler's side of the worker connections: one channel and one step stream per rank."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -37,8 +38,111 @@ class StepResult:
 SocketIdentity = tuple[int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class SentStep:
+    """A step written to every worker's stream: one answer future per rank."""
+
+    step_id: int
+    futures: list[asyncio.Future[worker_pb2.StepResponse]]
+
+
+class _StepStream:
+    """One worker's ``Steps`` call: steps are written in order and answered in order, so
+    the n-th answer belongs to the n-th step still pending.
+
+    A step the worker failed is answered with its error (:class:`WorkerStepError`) and the
+    ones behind it with not run (:class:`NotRun`, worker.proto); the stream is then spent:
+    closed for writing, and the pool opens a new one for the next step. When the call
+    itself ends (the connection broke, the worker died, it was cancelled), the first
+    pending step fails with the call's status and the ones behind it as not run, although
+    then nobody knows whether they ran: the engine treats any such failure as a loss.
+    """
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, rank: int) -> None:
+        self.rank = rank
+        self.call = stub.Steps()
+        self.pending: deque[tuple[int, asyncio.Future[worker_pb2.StepResponse]]] = deque()
+        self.ended = False  # no step may be sent on it any more
+        self.reader = asyncio.get_running_loop().create_task(self._read(),
+                                                             name=f"steps-{rank}")
+
+    async def send(self, msg: worker_pb2.StepRequest) -> asyncio.Future[worker_pb2.StepResponse]:
+        future: asyncio.Future[worker_pb2.StepResponse] = (
+            asyncio.get_running_loop().create_future())
+        future.add_done_callback(_retrieve)  # the engine may abandon steps after a loss
+        if self.ended:  # the reader has failed everything pending already
+            future.set_exception(NotRun("the step stream ended before this step was sent"))
+            return future
+        self.pending.append((msg.step_id, future))
+        try:
+            await self.call.write(worker_pb2.StepsRequest(step=msg))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            self.cancel()  # the reader sees the end and fails this step with the others
+        return future
+
+    def cancel(self) -> None:
+        self.ended = True
+        self.call.cancel()
+
+    async def _read(self) -> None:
+        error: BaseException
+        try:
+            async for reply in self.call:
+                step_id, future = self.pending.popleft()
+                if reply.step_id != step_id:
+                    raise RuntimeError(f"worker {self.rank} answered step {reply.step_id} "
+                                       f"where {step_id} was next")
+                outcome = reply.WhichOneof("outcome")
+                if outcome == "done":
+                    future.set_result(reply.done)
+                    continue
+                future.set_exception(WorkerStepError(reply.error) if outcome == "error"
+                                     else NotRun(f"not run: worker {self.rank} failed an "
+                                                 "earlier step"))
+                if not self.ended:
+                    self.ended = True
+                    await self.call.done_writing()  # the worker answers the rest, then ends
+            error = RuntimeError(f"worker {self.rank} ended its step stream")
+        except asyncio.CancelledError:
+            error = RuntimeError("the step stream was cancelled")
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            error = exc
+        self.ended = True
+        self.call.cancel()
+        first = True
+        while self.pending:
+            _, future = self.pending.popleft()
+            if not future.done():
+                future.set_exception(error if first else NotRun(
+                    f"not run: worker {self.rank} ended the stream at an earlier step"))
+            first = False
+
+
+def _retrieve(future: asyncio.Future[worker_pb2.StepResponse]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class NotRun(Exception):
+    """A step queued behind one that failed on a worker's stream: the worker never ran it."""
+
+
+class WorkerStepError(Exception):
+    """A worker answered a step with an error (the status its Step would have ended with)."""
+
+    def __init__(self, error: worker_pb2.StepError) -> None:
+        super().__init__(error.message)
+        self.code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+        self.message = error.message
+        self.reason = error.reason
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class WorkerPool:
-    """Sends each step to every worker at once; any failure fails the step (StepFailed)."""
+    """Sends each step to every worker at once, over one persistent ``Steps`` stream per
+    worker; any failure fails the step (StepFailed)."""
 
     def __init__(self, addresses: list[str]) -> None:
         if not addresses:
@@ -48,6 +152,7 @@ class WorkerPool:
                           for a in addresses]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self.sockets: list[SocketIdentity | None] = [None] * len(addresses)
+        self._streams: list[_StepStream | None] = [None] * len(addresses)
 
     async def describe(self, timeout: float) -> list[worker_pb2.DescribeResponse]:
         """Every worker's description, once all answer; ``sockets`` then says which socket
@@ -71,16 +176,38 @@ class WorkerPool:
         return [rank for rank, (old, new) in enumerate(zip(before, self.sockets, strict=True))
                 if old is not None and new is not None and old != new]
 
-    async def step(self, msg: worker_pb2.StepRequest, timeout: float) -> StepResult:
-        calls = [s.Step(msg, timeout=timeout) for s in self._stubs]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        failures = tuple(_failure(rank, r) for rank, r in enumerate(results)
-                         if isinstance(r, BaseException))
+    async def send(self, msg: worker_pb2.StepRequest) -> SentStep:
+        """Write ``msg`` to every worker's step stream (opened on first use, or again after
+        it ended) without waiting for the step to run; :meth:`result` waits for it."""
+        for rank, stream in enumerate(self._streams):
+            if stream is None or stream.ended:
+                self._streams[rank] = _StepStream(self._stubs[rank], rank)
+        futures = [await stream.send(msg) for stream in self._streams if stream is not None]
+        return SentStep(msg.step_id, futures)
+
+    async def result(self, sent: SentStep, timeout: float) -> StepResult:
+        """The outcome of a sent step on every worker, waiting at most ``timeout`` seconds
+        from now; any failure fails the step (StepFailed). A worker that does not answer
+        in time has its stream cancelled, so the steps sent after this one fail too."""
+        _, late = await asyncio.wait(sent.futures, timeout=timeout)
+        for rank, future in enumerate(sent.futures):
+            if future in late:
+                stream = self._streams[rank]
+                if stream is not None:
+                    stream.cancel()
+        results = await asyncio.gather(*sent.futures, return_exceptions=True)
+        failures = tuple(
+            RankFailure(rank, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no answer within {timeout:g} s", False) if future in late
+            else _failure(rank, r)
+            for rank, (future, r) in enumerate(zip(sent.futures, results, strict=True))
+            if isinstance(r, BaseException))
         if failures:
             for f in failures:
-                log.error("step %d failed on worker %d: %s %s%s", msg.step_id, f.rank,
-                          f.code.name if f.code else "error", f.details,
-                          " (refused)" if f.refused else "")
+                if not f.not_run:
+                    log.error("step %d failed on worker %d: %s %s%s", sent.step_id, f.rank,
+                              f.code.name if f.code else "error", f.details,
+                              " (refused)" if f.refused else "")
             raise StepFailed(failures)
         ok: list[worker_pb2.StepResponse] = results  # type: ignore[assignment]
         return StepResult(
@@ -90,6 +217,17 @@ class WorkerPool:
             shm_acked=sum(r.shm_acked for r in ok),
             encoder_runs=ok[0].encoder_runs,
         )
+
+    async def step(self, msg: worker_pb2.StepRequest, timeout: float) -> StepResult:
+        """Send ``msg`` and wait for its outcome (one step at a time)."""
+        return await self.result(await self.send(msg), timeout)
+
+    def end_streams(self) -> None:
+        """Cancel every step stream (after a worker loss: the steps still out are in doubt,
+        and the next step opens fresh streams)."""
+        for stream in self._streams:
+            if stream is not None:
+                stream.cancel()
 
     async def wait_lost(self) -> int:
         """Wait until a worker's health stream ends or stops saying SERVING; its rank.
@@ -120,6 +258,9 @@ class WorkerPool:
         return rank
 
     async def close(self) -> None:
+        self.end_streams()
+        await asyncio.gather(*(s.reader for s in self._streams if s is not None),
+                             return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._channels))
 
 
@@ -129,6 +270,7 @@ class RankFailure:
     code: grpc.StatusCode | None  # None: not an RPC error
     details: str
     refused: bool  # the worker answered that it refused the step (see StepFailed)
+    not_run: bool = False  # queued behind a failed step: the worker never ran it
 
 
 class StepFailed(Exception):
@@ -156,11 +298,21 @@ class StepFailed(Exception):
     def refused(self) -> bool:
         return all(f.refused for f in self.failures)
 
+    @property
+    def not_run(self) -> bool:
+        """Every failing worker never ran the step (an earlier step failed on it)."""
+        return all(f.not_run for f in self.failures)
+
 
 _REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
+    if isinstance(exc, NotRun):
+        return RankFailure(rank, None, str(exc), False, not_run=True)
+    if isinstance(exc, WorkerStepError):
+        return RankFailure(rank, exc.code, exc.message,
+                           exc.code in _REFUSALS and bool(exc.reason))
     if not isinstance(exc, grpc.aio.AioRpcError):
         return RankFailure(rank, None, repr(exc), False)
     refused = exc.code() in _REFUSALS and error_info(exc) is not None

@@ -106,6 +106,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    "the encoder cache hold; built-in models: 448x448, 256 image tokens)")
     p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", "60")),
                    help="seconds a worker may take for one step before it counts as lost")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("ASYNC_SCHEDULING", True),
+                   help="schedule and send the next step while the workers run one (same "
+                        "tokens; --no-async-scheduling waits for each step)")
     _add_limit_flags(p)
     _add_tls_serving_flags(p)
     _add_health_listen(p)
@@ -196,8 +200,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         metrics_port=args.metrics_port, health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels, step_timeout_s=args.step_timeout, limits=limits,
-        http=_http_config(args))
+        max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
+        async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args))
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",

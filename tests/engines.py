@@ -58,5 +58,6 @@ async def until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
 
 async def idle(engine: Engine) -> None:
     """Until the engine has nothing left to send (the last releases included)."""
-    await until(lambda: engine.scheduler is not None and not engine.scheduler.has_work)
+    await until(lambda: engine.scheduler is not None and not engine.scheduler.has_work
+                and not engine.steps_out)
     await asyncio.sleep(0.2)

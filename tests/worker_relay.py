@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2_grpc
 from tandem.errors import InvalidInput, rich_status
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+REFUSAL = InvalidInput("step refused by the test relay", "BAD_TOKENS")
+
 
 class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
     def __init__(self, target: str) -> None:
@@ -29,13 +31,39 @@ class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
         return await self.worker.Describe(msg, timeout=context.time_remaining())
 
     async def Step(self, msg, context):
+        if self._refused(msg):
+            context.set_trailing_metadata(rich_status(REFUSAL))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, REFUSAL.message)
+        return await self.worker.Step(msg, timeout=context.time_remaining())
+
+    async def Steps(self, requests, context):
+        """As a worker's stream: a refused step is answered with its error and every later
+        one as not run. The others go to the worker over a Steps stream of the relay's,
+        one at a time (the relay does not pipeline)."""
+        upstream = self.worker.Steps()
+        refused = False
+        try:
+            async for msg in requests:
+                step_id = msg.step.step_id
+                if refused:
+                    yield worker_pb2.StepsResponse(step_id=step_id, not_run=True)
+                elif self._refused(msg.step):
+                    refused = True
+                    yield worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
+                        code=REFUSAL.code.value[0], message=REFUSAL.message,
+                        reason=REFUSAL.reason))
+                else:
+                    await upstream.write(msg)
+                    yield await upstream.read()
+        finally:
+            upstream.cancel()
+
+    def _refused(self, msg: worker_pb2.StepRequest) -> bool:
         if self.refuse(msg):
             self.refused += 1
-            error = InvalidInput("step refused by the test relay", "BAD_TOKENS")
-            context.set_trailing_metadata(rich_status(error))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+            return True
         self.steps.append(msg)
-        return await self.worker.Step(msg, timeout=context.time_remaining())
+        return False
 
     async def Watch(self, msg, context):
         async for reply in self.health.Watch(msg):
