@@ -1,6 +1,6 @@
 """The worker server in-process: health around warm-up and shutdown, health answering while a
 step runs, Describe, reflection, the Unix socket's mode, the extra TCP listener, and the
-health-only port (health answers there, the Worker API does not)."""
+health-only port (health answers there, the Worker API does not), and the Steps stream."""
 
 from __future__ import annotations
 
@@ -112,3 +112,59 @@ async def _health_port_scenario(tmp_path: Path) -> None:
 
 def test_health_port_serves_health_and_refuses_the_worker_api(tmp_path: Path) -> None:
     asyncio.run(_health_port_scenario(tmp_path))
+
+
+async def _steps_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20)
+    worker = await create_server(config)
+    try:
+        await worker.warmup
+        async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            tokens = [BOS_ID] + [ord("a") + i for i in range(20)]
+
+            def prefill(step_id: int, rid: str) -> worker_pb2.StepsRequest:
+                req = NewRequestData(rid, tokens, len(tokens), [], SamplingParams(), [0, 1], 0)
+                return worker_pb2.StepsRequest(step=step_to_proto(StepInput(
+                    step_id, new_requests=[req], num_scheduled_tokens={rid: len(tokens)})))
+
+            def decode(step_id: int, rid: str, computed: int) -> worker_pb2.StepsRequest:
+                msg = step_to_proto(StepInput(step_id, num_scheduled_tokens={rid: 1}))
+                msg.cached_requests.add(request_id=rid, num_computed_tokens=computed)
+                return worker_pb2.StepsRequest(step=msg)
+
+            # Three steps written before any answer: the decodes take the sampled token
+            # from the step before them, on the worker.
+            call = stub.Steps()
+            for msg in (prefill(1, "a"), decode(2, "a", 21), decode(3, "a", 22)):
+                await call.write(msg)
+            answers = [await call.read() for _ in range(3)]
+            assert [a.step_id for a in answers] == [1, 2, 3]
+            assert [a.WhichOneof("outcome") for a in answers] == ["done"] * 3
+            assert all(len(a.done.sampled["a"].token_ids) == 1 for a in answers)
+            # A step the worker refuses (it counts 23 computed tokens, not 30) is answered
+            # with its error; the step written behind it is not run, the stream stays open.
+            for msg in (decode(4, "a", 30), decode(5, "a", 23)):
+                await call.write(msg)
+            refused, behind = await call.read(), await call.read()
+            assert refused.WhichOneof("outcome") == "error"
+            assert (refused.error.code, refused.error.reason) == (
+                grpc.StatusCode.FAILED_PRECONDITION.value[0], "COMPUTED_MISMATCH")
+            assert behind.step_id == 5 and behind.not_run
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+            # A new stream: step 5 runs now, on the state the refused step left alone.
+            call = stub.Steps()
+            await call.write(decode(5, "a", 23))
+            assert (await call.read()).WhichOneof("outcome") == "done"
+            call.cancel()
+    finally:
+        await shutdown(worker)
+
+
+def test_steps_stream_runs_in_order_and_stops_at_a_failed_step(tmp_path: Path) -> None:
+    """The scheduler's step stream (worker.proto, Steps): steps written ahead run in order
+    and are answered in order; a failed step is answered with its status and the steps
+    behind it are not run; a new stream carries on."""
+    asyncio.run(_steps_scenario(tmp_path))

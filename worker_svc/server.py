@@ -99,28 +99,55 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Steps(self, requests: AsyncIterator[worker_pb2.StepsRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepsResponse]:
-        """The scheduler's step stream. Steps run in arrival order on the one step thread
-        (gRPC buffers those sent meanwhile). A failed step is answered with its error, the
+        """The scheduler's step stream. Each step is queued on the one step thread as soon
+        as it arrives, so the thread goes from one step to the next without waiting for
+        this loop; answers go back in order. A failed step is answered with its error, the
         status Step would end with; every later one with ``not_run``: the scheduler built
-        them on the failed step's effects (worker.proto). Only a broken tensor-parallel
-        group ends the stream (and the process)."""
-        failed = False
-        async for request in requests:
-            step_id = request.step.step_id
-            if failed:
-                yield worker_pb2.StepsResponse(step_id=step_id, not_run=True)
-                continue
+        them on the failed step's effects (worker.proto). Steps still queued when the
+        stream ends do not run. Only a broken tensor-parallel group ends the stream
+        itself (and the process)."""
+        loop = asyncio.get_running_loop()
+        stream = _StreamState()
+        queued: asyncio.Queue[asyncio.Future[worker_pb2.StepsResponse] | None] = (
+            asyncio.Queue())
+
+        async def read() -> None:
             try:
-                done = await self._run(request.step)
-            except GroupLost:
-                raise
-            except Exception as exc:
-                failed = True
-                err = reported(exc)
-                yield worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
-                    code=err.code.value[0], message=err.message, reason=err.reason))
-                continue
-            yield worker_pb2.StepsResponse(step_id=step_id, done=done)
+                async for request in requests:
+                    queued.put_nowait(loop.run_in_executor(
+                        self.executor, self._stream_step, request.step, stream))
+            finally:
+                queued.put_nowait(None)
+
+        reader = asyncio.create_task(read(), name="steps-reader")
+        try:
+            while (answer := await queued.get()) is not None:
+                try:
+                    yield await answer
+                except GroupLost:
+                    self._group_lost()
+                    raise
+        finally:
+            stream.ended = True
+            reader.cancel()
+
+    def _stream_step(self, request: worker_pb2.StepRequest,
+                     stream: _StreamState) -> worker_pb2.StepsResponse:
+        """One step of a Steps stream, on the step thread."""
+        step_id = request.step_id
+        if stream.failed or stream.ended:
+            return worker_pb2.StepsResponse(step_id=step_id, not_run=True)
+        try:
+            if not self.ready.is_set():
+                raise Unavailable("the worker is still warming up", reason="WARMING_UP")
+            return worker_pb2.StepsResponse(step_id=step_id, done=self._step(request))
+        except GroupLost:
+            raise
+        except Exception as exc:
+            stream.failed = True
+            err = reported(exc)
+            return worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
+                code=err.code.value[0], message=err.message, reason=err.reason))
 
     async def _run(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         if not self.ready.is_set():
@@ -129,9 +156,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             return await loop.run_in_executor(self.executor, self._step, request)
         except GroupLost:
-            log.error("worker %d lost its tensor-parallel group; stopping", self.config.rank)
-            self.on_group_lost()
+            self._group_lost()
             raise
+
+    def _group_lost(self) -> None:
+        log.error("worker %d lost its tensor-parallel group; stopping", self.config.rank)
+        self.on_group_lost()
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         assert self.runner is not None
@@ -142,6 +172,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.runner is not None and self.runner.receiver is not None:
             self.runner.receiver.close()
         leave_group()
+
+
+@dataclass
+class _StreamState:
+    """One Steps stream, as its steps see it on the step thread."""
+
+    failed: bool = False  # a step failed: the later ones are not run
+    ended: bool = False  # the stream is gone: steps still queued are not run
 
 
 def kv_cache_blocks(config: WorkerConfig, model_config: ModelConfig, device: torch.device,
