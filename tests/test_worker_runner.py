@@ -16,9 +16,12 @@ from tandem_testing.scripted import (
     synthetic_image,
     synthetic_prompt,
 )
+from worker_svc.batch import build_batch
 from worker_svc.checkpoint import build_model
+from worker_svc.encoder_cache import EncoderCache
 from worker_svc.model_config import PRESETS
 from worker_svc.positions import ImageSpan, mrope_positions
+from worker_svc.request_state import new_request_state
 from worker_svc.runner import StepRunner
 from worker_svc.sampler import exponential_noise, filter_top_k_top_p, sample
 from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
@@ -184,3 +187,33 @@ def test_step_codec_round_trip() -> None:
     out = StepOutput(7, {"r": [5]}, 1, 2, 1)
     assert step_output_from_proto(step_output_to_proto(out)) == out
     assert not re.search(r"\btoken_ids=", repr(req)) and str(TOKENS[1]) not in repr(req)
+
+
+def test_a_batch_of_decodes_reads_each_context_and_position() -> None:
+    """build_batch turns decode rows into tensors together: each row's slot, position and
+    context must still be its own request's (M-RoPE positions inside the known tokens,
+    after them, and contexts of different lengths padded and masked)."""
+    lengths = [3, 9, 14, len(TOKENS)]
+    states = []
+    for i, n in enumerate(lengths):
+        blocks = [(7 * i + 3 * b) % 60 for b in range(-(-(n + 1) // BLOCK_SIZE))]
+        req = NewRequestData(f"r{i}", TOKENS[:n], n, [f for f in FEATURES
+                                                     if f.mm_position.end <= n],
+                             SamplingParams(), blocks, 0)
+        state = new_request_state(req, req.features, CONFIG)
+        state.num_computed_tokens = n - 1 if i % 2 else n  # inside the known tokens, or past
+        if not i % 2:
+            state.append_output(5)
+        states.append(state)
+    batch = build_batch([(s, 1) for s in states], EncoderCache(CONFIG.dim, torch.device("cpu"),
+                                                                torch.float32),
+                        BLOCK_SIZE, torch.device("cpu")).inputs
+    for row, s in enumerate(states):
+        c = s.num_computed_tokens
+        assert batch.tokens[row] == s.token_ids[c]
+        assert torch.equal(batch.positions[:, row:row + 1], s.positions_between(c, c + 1))
+        assert torch.equal(batch.slot_mapping[row:row + 1], s.slots(c, c + 1, BLOCK_SIZE))
+        context = int(batch.decode.mask[row].sum())
+        assert context == c + 1 and not batch.decode.mask[row, 0, 0, context:].any()
+        assert torch.equal(batch.decode.kv_index[row, :context], s.slots(0, c + 1, BLOCK_SIZE))
+    assert batch.decode.rows.tolist() == list(range(len(states)))

@@ -34,17 +34,33 @@ class StepBatch:
 
 def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: EncoderCache,
                 block_size: int, device: torch.device) -> StepBatch:
-    """Flatten ``(state, num_scheduled_tokens)`` pairs into the model's inputs."""
+    """Flatten ``(state, num_scheduled_tokens)`` pairs into the model's inputs.
+
+    Single-token (decode) requests cost a few integer operations each here and are turned
+    into tensors together, so a decode step's batch building does not grow by a tensor
+    operation per request (bench/step_overhead.py, "worker bk")."""
     tokens: list[int] = []
-    positions, slots, mm_index, mm_embeds = [], [], [], []
+    slots: list[int] = []
+    positions: list[Tensor] = []  # (3, k) runs of rows, in row order
+    columns: list[tuple[int, int, int]] = []  # decode rows' positions not yet in ``positions``
+    mm_index, mm_embeds = [], []
     seqs, logits_index, sampling = [], [], []
     decode_rows: list[int] = []
-    decode_kv: list[Tensor] = []
+    decode_tables: list[list[int]] = []
+    decode_lengths: list[int] = []
     for state, n in scheduled:
         c, q_start = state.num_computed_tokens, len(tokens)
         tokens.extend(state.token_ids[c:c + n])
-        positions.append(state.positions_between(c, c + n))
-        slots.append(state.slots(c, c + n, block_size))
+        table = state.block_ids
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(c, c + n))
+        if n == 1:
+            columns.append(state.position_of(c))
+        else:
+            if columns:
+                positions.append(torch.tensor(columns, dtype=torch.int64).T)
+                columns = []
+            positions.append(state.positions_between(c, c + n))
         for f in state.features:
             lo, hi = max(c, f.mm_position.offset), min(c + n, f.mm_position.end)
             if lo < hi:
@@ -54,7 +70,8 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
                 mm_index.append(torch.arange(q_start + lo - c, q_start + hi - c))
         if n == 1:
             decode_rows.append(q_start)
-            decode_kv.append(state.slots(0, c + 1, block_size))
+            decode_tables.append(table)
+            decode_lengths.append(c + 1)
         else:
             seqs.append(SequenceSlice(
                 q_start=q_start, q_end=q_start + n,
@@ -64,13 +81,15 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
         if c + n == state.num_tokens:
             logits_index.append(q_start + n - 1)
             sampling.append(state)
+    if columns:
+        positions.append(torch.tensor(columns, dtype=torch.int64).T)
     dim = encoder_cache.dim
     inputs = ModelInputs(
         tokens=torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
         positions=torch.cat(positions, dim=1).to(device, non_blocking=True),
-        slot_mapping=torch.cat(slots).to(device, non_blocking=True),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
         seqs=seqs,
-        decode=_decode_batch(decode_rows, decode_kv, device),
+        decode=_decode_batch(decode_rows, decode_tables, decode_lengths, block_size, device),
         mm_index=(torch.cat(mm_index) if mm_index else torch.empty(0, dtype=torch.int64)).to(
             device, non_blocking=True),
         mm_embeds=(torch.cat(mm_embeds) if mm_embeds
@@ -80,14 +99,20 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
     return StepBatch(inputs, sampling)
 
 
-def _decode_batch(rows: list[int], contexts: list[Tensor],
-                  device: torch.device) -> DecodeBatch | None:
-    """Single-token sequences, their contexts padded to the longest (pad slot 0, masked)."""
+def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
+                  block_size: int, device: torch.device) -> DecodeBatch | None:
+    """Single-token sequences: each context is slots 0..length-1 through its block table,
+    padded to the longest (the padding, masked, reads whatever slot the padded table names)."""
     if not rows:
         return None
-    lengths = torch.tensor([len(c) for c in contexts])
-    kv_index = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, S)
-    mask = torch.arange(kv_index.shape[1])[None, :] < lengths[:, None]  # (B, S)
+    longest = max(lengths)
+    width = -(-longest // block_size)
+    padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
+                          dtype=torch.int64)  # (B, blocks)
+    offsets = torch.arange(block_size)
+    kv_index = (padded[:, :, None] * block_size + offsets).reshape(len(rows), -1)[:, :longest]
+    kv_index = kv_index.contiguous()  # (B, S); the model views it flat
+    mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
     return DecodeBatch(
         rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
         kv_index=kv_index.to(device, non_blocking=True),

@@ -98,6 +98,15 @@ class RequestState:
         later = self.next_position + torch.arange(max(start, n0) - n0, end - n0).expand(3, -1)
         return torch.cat([known, later], dim=1)
 
+    def position_of(self, index: int) -> tuple[int, int, int]:
+        """The (t, h, w) position of token ``index``, as integers."""
+        n0 = self.positions.shape[1]
+        if index >= n0:
+            p = self.next_position + index - n0
+            return p, p, p
+        t, h, w = self.positions[:, index].tolist()
+        return t, h, w
+
     def slots(self, start: int, end: int, block_size: int) -> Tensor:
         """Cache slots (end - start,) of positions [start, end), through the block table."""
         pos = torch.arange(start, end)
