@@ -6,19 +6,23 @@ subprocess (the same ``serve`` functions ``tandem serve`` runs), clients here st
 real code paths before serving, and write one JSON line per step:
 
 * scheduler: ``Scheduler.schedule`` (scheduling), ``build_step_request`` (the step
-  message), ``WorkerPool.step`` (the round trip, wall), ``Scheduler.update`` (applying
-  results), ``to_response`` (detokenizing), and every event-loop callback's run time
-  (``asyncio.Handle._run``): the loop's busy time less the parts above is streaming to
-  clients (the servicers' generators and gRPC's own callbacks);
+  message), ``WorkerPool.result`` (the loop waiting for the oldest step's answer),
+  ``Scheduler.update`` (applying results, detokenizing included), ``to_response`` (the
+  GenerateResponse), and every event-loop callback's run time (``asyncio.Handle._run``):
+  the loop's busy time less the parts above is streaming to clients (the servicers'
+  generators and gRPC's own callbacks);
 * worker: ``WorkerServicer._step`` (the whole step on the worker thread, proto conversion
   included), ``Transformer.forward`` (the model forward; synchronised on CUDA) and
-  ``StepRunner._sample``; the rest of ``_step`` is the worker's bookkeeping.
+  ``StepRunner._sample``; the rest of ``_step`` is the worker's bookkeeping, and the time
+  between the end of one step and the end of the next less the step itself is the
+  worker's idle time: what the scheduler costs the model.
 
 The breakdown is the median over the decode steps whose batch is exactly the stream count
 (no prefill in the step). The bound is the bare model: ``model(inputs)`` on a decode batch of
 the same size captured from a ``StepRunner`` in this process, nothing else; the ratio is
 end-to-end output tokens/s (what the clients received, ramp-up included) over the bare
-batched decode rate, printed next to issue 18's target. Run::
+batched decode rate, printed next to issue 18's target. Each model runs twice, with
+asynchronous scheduling off and on (``--async-scheduling``), side by side. Run::
 
     python bench/step_overhead.py                  # small and tiny, 1/4/16 streams
     python bench/step_overhead.py --models tiny --rounds 1 --tokens 32   # quick look
@@ -31,9 +35,9 @@ import asyncio
 import json
 import multiprocessing
 import os
+import resource
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,21 +62,23 @@ class StepClock:
     """Per-step time accumulators of one process, written as one JSON line per step.
 
     ``add`` is called by the hooks; ``boundary`` closes the record of the previous step and
-    opens the next one. Only the thread that runs the hooked code calls it (the event loop
-    in the scheduler, the step thread in the worker), so no lock is needed.
+    opens the next one, its length under ``period_key``. Only the thread that runs the
+    hooked code calls it (the event loop in the scheduler, the step thread in the worker),
+    so no lock is needed.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, period_key: str = "period") -> None:
         self.out: TextIO = path.open("a", buffering=1)
         self.record: dict[str, Any] = {}
         self.started = 0.0
+        self.period_key = period_key
 
     def add(self, key: str, seconds: float) -> None:
         self.record[key] = self.record.get(key, 0.0) + seconds
 
     def boundary(self, now: float) -> None:
         if "step_id" in self.record:
-            self.record["period"] = now - self.started
+            self.record[self.period_key] = now - self.started
             self.out.write(json.dumps(self.record) + "\n")
         self.record, self.started = {}, now
 
@@ -132,9 +138,9 @@ def run_scheduler(config: Any, records: Path) -> None:
         return msg
 
     engine.build_step_request = timed_build
-    timed_async(clock, worker_client.WorkerPool, "step", "rpc")
+    timed_async(clock, worker_client.WorkerPool, "result", "wait")
     timed(clock, sched_cls, "update", "apply")
-    timed(clock, servicer, "to_response", "detokenize")
+    timed(clock, servicer, "to_response", "response")
     timed(clock, asyncio.events.Handle, "_run", "loop_busy")
     asyncio.run(server.serve(config))
 
@@ -143,7 +149,7 @@ def run_worker(config: Any, records: Path) -> None:
     """Subprocess: the worker's ``serve`` with the worker-side hooks."""
     from worker_svc import model, runner, server
 
-    clock = StepClock(records)
+    clock = StepClock(records, "worker_period")
     step = server.WorkerServicer._step
 
     def timed_step(self: Any, msg: Any) -> Any:
@@ -177,13 +183,14 @@ class Cell:
 
     scheduler: multiprocessing.process.BaseProcess
     worker: multiprocessing.process.BaseProcess
+    target: str
     stub: generate_pb2_grpc.GenerationStub
     channel: grpc.Channel
     sched_records: Path
     worker_records: Path
 
 
-def start_cell(model: str, device: str, tmp: Path) -> Cell:
+def start_cell(model: str, device: str, tmp: Path, async_scheduling: bool) -> Cell:
     from scheduler_svc.config import SchedulerConfig
     from worker_svc.config import WorkerConfig
 
@@ -196,10 +203,10 @@ def start_cell(model: str, device: str, tmp: Path) -> Cell:
     sconf = SchedulerConfig(model=model, listen=f"127.0.0.1:{port}", shm_dir=str(tmp),
                             block_size=BLOCK_SIZE,
                             worker_addresses=(f"unix://{wconf.socket_path}",),
-                            step_timeout_s=600.0)
+                            step_timeout_s=600.0, async_scheduling=async_scheduling)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     cell = Cell(ctx.Process(target=run_scheduler, args=(sconf, tmp / "scheduler.jsonl")),
-                worker, generate_pb2_grpc.GenerationStub(channel), channel,
+                worker, f"127.0.0.1:{port}", generate_pb2_grpc.GenerationStub(channel), channel,
                 tmp / "scheduler.jsonl", tmp / "worker.jsonl")
     # The scheduler describes the worker once at start: start it after the worker serves.
     deadline = time.monotonic() + 300
@@ -230,22 +237,39 @@ def stop_cell(cell: Cell) -> None:
 
 
 def clients(cell: Cell, streams: int, tokens: int) -> float:
-    """Output tokens/s that ``streams`` concurrent clients received, each ``tokens`` long."""
-    got = [0] * streams
+    """Output tokens/s that ``streams`` concurrent clients received, each ``tokens`` long.
 
-    def run(i: int) -> None:
+    The clients are coroutines on one grpc.aio channel in one thread: on a two-core machine
+    a thread per client would take CPU from the cell it measures."""
+
+    async def run(stub: generate_pb2_grpc.GenerationStub, i: int) -> int:
         msg = request(PROMPT.format(i=i), max_tokens=tokens, ignore_eos=True)
-        got[i] = sum(len(m.token_ids) for m in cell.stub.Generate(msg, timeout=600))
+        return sum([len(m.token_ids) async for m in stub.Generate(msg, timeout=600)])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if sum(got) != streams * tokens:
-        raise RuntimeError(f"clients got {sum(got)} tokens, expected {streams * tokens}")
-    return sum(got) / (time.perf_counter() - start)
+    async def all_clients() -> tuple[int, float]:
+        async with grpc.aio.insecure_channel(cell.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            start = time.perf_counter()
+            got = await asyncio.gather(*(run(stub, i) for i in range(streams)))
+            return sum(got), time.perf_counter() - start
+
+    got, seconds = asyncio.run(all_clients())
+    if got != streams * tokens:
+        raise RuntimeError(f"clients got {got} tokens, expected {streams * tokens}")
+    return got / seconds
+
+
+def warm_ttft(cell: Cell, reps: int = 9) -> float:
+    """Median time to the first token of a request identical to one just served, alone on
+    the cell (its prompt comes from the prefix cache but for the last token)."""
+    msg = request(PROMPT.format(i="warm"), max_tokens=1)
+    list(cell.stub.Generate(msg, timeout=600))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        next(m for m in cell.stub.Generate(msg, timeout=600) if m.token_ids)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 class Bare:
@@ -300,6 +324,15 @@ def read_records(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
     return [json.loads(line) for line in lines[start:]], len(lines)
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) a process has used: ``pid``'s, or this one's."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Phase:
     """One round at one stream count: what the clients got and the step records."""
@@ -307,41 +340,48 @@ class Phase:
     e2e_tps: float
     bare_s: float
     steps: list[dict[str, float]]  # decode steps of the full batch, scheduler + worker keys
+    cpu_per_step: tuple[float, float, float]  # s: scheduler, worker, clients (per decode step)
 
 
 def run_phase(cell: Cell, bare: Bare, streams: int, tokens: int,
               offsets: list[int]) -> Phase:
+    pids = (cell.scheduler.pid, cell.worker.pid, None)
+    before = [cpu_seconds(p) for p in pids]
     tps = clients(cell, streams, tokens)
+    cpu = tuple((cpu_seconds(p) - b) / tokens for p, b in zip(pids, before, strict=True))
     time.sleep(0.3)  # the last step's records reach the files
     sched, offsets[0] = read_records(cell.sched_records, offsets[0])
     work, offsets[1] = read_records(cell.worker_records, offsets[1])
     by_id = {r["step_id"]: r for r in work}
     steps = [{**by_id[r["step_id"]], **r} for r in sched
              if r.get("running") == streams and r.get("new") == 0 and r["step_id"] in by_id]
-    return Phase(tps, bare.decode_step_s(streams), steps)
+    return Phase(tps, bare.decode_step_s(streams), steps, cpu)  # type: ignore[arg-type]
 
 
 COLUMNS = [  # (label, how to compute it from a step record), all in ms
     ("schedule", lambda r: r.get("schedule", 0.0)),
     ("message", lambda r: r.get("message", 0.0)),
-    ("round trip", lambda r: r["rpc"] - r["worker"]),
+    ("wait", lambda r: r.get("wait", 0.0)),
+    ("worker idle", lambda r: r["worker_period"] - r["worker"]),
     ("worker bk", lambda r: r["worker"] - r.get("forward", 0.0) - r.get("sample", 0.0)),
     ("forward", lambda r: r.get("forward", 0.0)),
     ("sample", lambda r: r.get("sample", 0.0)),
     ("apply", lambda r: r.get("apply", 0.0)),
-    ("detok", lambda r: r.get("detokenize", 0.0)),
+    ("response", lambda r: r.get("response", 0.0)),
     ("stream", lambda r: r["loop_busy"] - r.get("schedule", 0.0) - r.get("message", 0.0)
-     - r.get("apply", 0.0) - r.get("detokenize", 0.0)),
+     - r.get("apply", 0.0) - r.get("response", 0.0)),
     ("step", lambda r: r["period"]),
 ]
 
 
-def report(model: str, phases: dict[int, list[Phase]]) -> None:
+def report(model: str, mode: str, phases: dict[int, list[Phase]], ttft_s: float) -> None:
     med = statistics.median
-    print(f"\nmodel {model}: per decode step, ms (medians over full-batch decode steps; "
-          "'round trip' = RPC wall - worker handler; 'stream' = scheduler loop busy time "
-          "outside the other scheduler columns; it runs while the loop awaits the workers, "
-          "so the columns overlap and do not sum to 'step')")
+    print(f"\nmodel {model}, asynchronous scheduling {mode}: per decode step, ms (medians "
+          "over full-batch decode steps; 'wait' = the scheduler loop waiting for a step's "
+          "answer; 'worker idle' = the worker's time between two steps; 'apply' includes "
+          "detokenizing; 'stream' = scheduler loop busy time outside the other scheduler "
+          "columns; it runs while the loop awaits the workers, so the columns overlap and "
+          "do not sum to 'step')")
     print(f"{'streams':>7}" + "".join(f"{label:>11}" for label, _ in COLUMNS)
           + f"{'bare':>9}{'steps':>7}")
     for streams, rounds in phases.items():
@@ -363,6 +403,12 @@ def report(model: str, phases: dict[int, list[Phase]]) -> None:
         target = f"{TARGETS[model]:.2f}" if streams == 16 and model in TARGETS else "-"
         print(f"{streams:7d}{e2e:11.0f}{steady:14.0f}{bare:12.0f}{ratio:10.2f}"
               f"{steady / bare:13.2f}{target:>8}")
+    print(f"\n{'streams':>7}  CPU per step, ms: {'scheduler':>9}{'worker':>8}{'clients':>9}"
+          f"{'sum':>7}   (the machine has {os.cpu_count()} CPUs)")
+    for streams, rounds in phases.items():
+        cpu = [med(p.cpu_per_step[i] for p in rounds) * 1e3 for i in range(3)]
+        print(f"{streams:7d}{'':18}{cpu[0]:9.2f}{cpu[1]:8.2f}{cpu[2]:9.2f}{sum(cpu):7.2f}")
+    print(f"TTFT of a warm identical request, alone: {1e3 * ttft_s:.1f} ms")
 
 
 def main() -> None:
@@ -372,6 +418,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per client")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per model")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both",
+                    help="run the cell with asynchronous scheduling off, on, or each in turn")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads here and in both services (0 = torch's default); on "
                     "a shared machine, oversubscribed OpenMP threads make the forward erratic")
@@ -382,22 +430,30 @@ def main() -> None:
     print("\n".join(environment_lines()))
     print(f"{args.tokens} output tokens per client, {args.rounds} rounds, streams "
           f"{args.streams}, device {args.device}, torch threads {torch.get_num_threads()}")
+    modes = ["off", "on"] if args.async_scheduling == "both" else [args.async_scheduling]
     for model in args.models:
         bare = Bare(model, args.device)
-        with tempfile.TemporaryDirectory(prefix="tandem-steps-") as tmp:
-            cell = start_cell(model, args.device, Path(tmp))
-            try:
-                offsets = [len(p.read_text().splitlines()) if p.exists() else 0
-                           for p in (cell.sched_records, cell.worker_records)]
-                for s in args.streams:  # warm-up round, dropped
-                    run_phase(cell, bare, s, min(args.tokens, 16), offsets)
-                phases: dict[int, list[Phase]] = {s: [] for s in args.streams}
-                for _ in range(args.rounds):
-                    for s in args.streams:
-                        phases[s].append(run_phase(cell, bare, s, args.tokens, offsets))
-            finally:
-                stop_cell(cell)
-        report(model, phases)
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="tandem-steps-") as tmp:
+                cell = start_cell(model, args.device, Path(tmp), mode == "on")
+                try:
+                    phases = run_rounds(cell, bare, args)
+                    ttft_s = warm_ttft(cell)
+                finally:
+                    stop_cell(cell)
+            report(model, mode, phases, ttft_s)
+
+
+def run_rounds(cell: Cell, bare: Bare, args: argparse.Namespace) -> dict[int, list[Phase]]:
+    offsets = [len(p.read_text().splitlines()) if p.exists() else 0
+               for p in (cell.sched_records, cell.worker_records)]
+    for s in args.streams:  # warm-up round, dropped
+        run_phase(cell, bare, s, min(args.tokens, 16), offsets)
+    phases: dict[int, list[Phase]] = {s: [] for s in args.streams}
+    for _ in range(args.rounds):
+        for s in args.streams:
+            phases[s].append(run_phase(cell, bare, s, args.tokens, offsets))
+    return phases
 
 
 if __name__ == "__main__":
