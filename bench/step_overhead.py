@@ -21,8 +21,9 @@ The breakdown is the median over the decode steps whose batch is exactly the str
 (no prefill in the step). The bound is the bare model: ``model(inputs)`` on a decode batch of
 the same size captured from a ``StepRunner`` in this process, nothing else; the ratio is
 end-to-end output tokens/s (what the clients received, ramp-up included) over the bare
-batched decode rate, printed next to issue 18's target. Each model runs twice, with
-asynchronous scheduling off and on (``--async-scheduling``), side by side. Run::
+batched decode rate, printed next to issue 18's target. Each model runs two cells at once,
+asynchronous scheduling off and on (``--async-scheduling``), the rounds (and the TTFT
+requests) taking turns between them. Run::
 
     python bench/step_overhead.py                  # small and tiny, 1/4/16 streams
     python bench/step_overhead.py --models tiny --rounds 1 --tokens 32   # quick look
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -259,17 +261,20 @@ def clients(cell: Cell, streams: int, tokens: int) -> float:
     return got / seconds
 
 
-def warm_ttft(cell: Cell, reps: int = 9) -> float:
-    """Median time to the first token of a request identical to one just served, alone on
-    the cell (its prompt comes from the prefix cache but for the last token)."""
+def warm_ttft(cells: dict[str, Cell], reps: int = 9) -> dict[str, float]:
+    """Per cell, the median time to the first token of a request identical to one just
+    served, alone on the cell (its prompt comes from the prefix cache but for the last
+    token); the cells take turns."""
     msg = request(PROMPT.format(i="warm"), max_tokens=1)
-    list(cell.stub.Generate(msg, timeout=600))
-    times = []
+    times: dict[str, list[float]] = {mode: [] for mode in cells}
+    for cell in cells.values():
+        list(cell.stub.Generate(msg, timeout=600))
     for _ in range(reps):
-        t0 = time.perf_counter()
-        next(m for m in cell.stub.Generate(msg, timeout=600) if m.token_ids)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for mode, cell in cells.items():
+            t0 = time.perf_counter()
+            next(m for m in cell.stub.Generate(msg, timeout=600) if m.token_ids)
+            times[mode].append(time.perf_counter() - t0)
+    return {mode: statistics.median(t) for mode, t in times.items()}
 
 
 class Bare:
@@ -433,26 +438,33 @@ def main() -> None:
     modes = ["off", "on"] if args.async_scheduling == "both" else [args.async_scheduling]
     for model in args.models:
         bare = Bare(model, args.device)
+        with contextlib.ExitStack() as stack:
+            cells = {}
+            for mode in modes:  # both up at once: the rounds take turns between them
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-steps-"))
+                cells[mode] = start_cell(model, args.device, Path(tmp), mode == "on")
+                stack.callback(stop_cell, cells[mode])
+            phases = run_rounds(cells, bare, args)
+            ttft_s = warm_ttft(cells)
         for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="tandem-steps-") as tmp:
-                cell = start_cell(model, args.device, Path(tmp), mode == "on")
-                try:
-                    phases = run_rounds(cell, bare, args)
-                    ttft_s = warm_ttft(cell)
-                finally:
-                    stop_cell(cell)
-            report(model, mode, phases, ttft_s)
+            report(model, mode, phases[mode], ttft_s[mode])
 
 
-def run_rounds(cell: Cell, bare: Bare, args: argparse.Namespace) -> dict[int, list[Phase]]:
-    offsets = [len(p.read_text().splitlines()) if p.exists() else 0
-               for p in (cell.sched_records, cell.worker_records)]
-    for s in args.streams:  # warm-up round, dropped
-        run_phase(cell, bare, s, min(args.tokens, 16), offsets)
-    phases: dict[int, list[Phase]] = {s: [] for s in args.streams}
+def run_rounds(cells: dict[str, Cell], bare: Bare,
+               args: argparse.Namespace) -> dict[str, dict[int, list[Phase]]]:
+    """Per cell and stream count, ``args.rounds`` phases; cells take turns at each count."""
+    offsets = {mode: [len(p.read_text().splitlines()) if p.exists() else 0
+                      for p in (cell.sched_records, cell.worker_records)]
+               for mode, cell in cells.items()}
+    for mode, cell in cells.items():
+        for s in args.streams:  # warm-up round, dropped
+            run_phase(cell, bare, s, min(args.tokens, 16), offsets[mode])
+    phases: dict[str, dict[int, list[Phase]]] = {m: {s: [] for s in args.streams}
+                                                  for m in cells}
     for _ in range(args.rounds):
         for s in args.streams:
-            phases[s].append(run_phase(cell, bare, s, args.tokens, offsets))
+            for mode, cell in cells.items():
+                phases[mode][s].append(run_phase(cell, bare, s, args.tokens, offsets[mode]))
     return phases
 
 
