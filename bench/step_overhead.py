@@ -11,8 +11,9 @@ real code paths before serving, and write one JSON line per step:
   GenerateResponse), and every event-loop callback's run time (``asyncio.Handle._run``):
   the loop's busy time less the parts above is streaming to clients (the servicers'
   generators and gRPC's own callbacks);
-* worker: ``WorkerServicer._step`` (the whole step on the worker thread, proto conversion
-  included), ``Transformer.forward`` (the model forward; synchronised on CUDA) and
+* worker: ``WorkerServicer._run_step`` (the whole step on the step thread; on the Steps
+  stream the proto conversion happens on the worker's event loop meanwhile),
+  ``Transformer.forward`` (the model forward; synchronised on CUDA) and
   ``StepRunner._sample``; the rest of ``_step`` is the worker's bookkeeping, and the time
   between the end of one step and the end of the next less the step itself is the
   worker's idle time: what the scheduler costs the model.
@@ -152,7 +153,7 @@ def run_worker(config: Any, records: Path) -> None:
     from worker_svc import model, runner, server
 
     clock = StepClock(records, "worker_period")
-    step = server.WorkerServicer._step
+    step = server.WorkerServicer._run_step
 
     def timed_step(self: Any, msg: Any) -> Any:
         t0 = time.perf_counter()
@@ -163,7 +164,7 @@ def run_worker(config: Any, records: Path) -> None:
             clock.record["step_id"] = msg.step_id
             clock.boundary(time.perf_counter())
 
-    server.WorkerServicer._step = timed_step
+    server.WorkerServicer._run_step = timed_step
     forward = model.Transformer.forward
 
     def timed_forward(self: Any, *args: Any) -> Any:

@@ -158,6 +158,18 @@ async def _steps_scenario(tmp_path: Path) -> None:
             call = stub.Steps()
             await call.write(decode(5, "a", 23))
             assert (await call.read()).WhichOneof("outcome") == "done"
+            # A step that cannot even be decoded is answered the same way, in its turn.
+            bad = prefill(6, "b")
+            field = bad.step.new_requests[0].features.add(
+                identifier="x", modality="image", offset=1, length=1).item.fields.add(
+                name="pixel_values")
+            field.tensor.dtype = "complex7"
+            for msg in (bad, decode(7, "a", 24)):
+                await call.write(msg)
+            undecodable, behind = await call.read(), await call.read()
+            assert (undecodable.step_id, undecodable.error.code) == (
+                6, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            assert "complex7" in undecodable.error.message and behind.not_run
             call.cancel()
     finally:
         await shutdown(worker)

@@ -30,6 +30,7 @@ from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig
 from worker_svc.runner import StepRunner
+from worker_svc.step import StepInput, StepOutput
 from worker_svc.step_codec import step_from_proto, step_output_to_proto
 from worker_svc.step_telemetry import StepTelemetry
 from worker_svc.tensor_parallel import GroupLost, join_group, leave_group, rank_device
@@ -99,48 +100,59 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Steps(self, requests: AsyncIterator[worker_pb2.StepsRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepsResponse]:
-        """The scheduler's step stream. Each step is queued on the one step thread as soon
-        as it arrives, so the thread goes from one step to the next without waiting for
-        this loop; answers go back in order. A failed step is answered with its error, the
-        status Step would end with; every later one with ``not_run``: the scheduler built
-        them on the failed step's effects (worker.proto). Steps still queued when the
-        stream ends do not run. Only a broken tensor-parallel group ends the stream
-        itself (and the process)."""
+        """The scheduler's step stream. Each step is decoded here and queued on the one
+        step thread as soon as it arrives, so the thread goes from one step to the next
+        without waiting for this loop, and the protobuf work of both directions happens
+        here while the thread runs a step; answers go back in order. A failed step is
+        answered with its error, the status Step would end with; every later one with
+        ``not_run``: the scheduler built them on the failed step's effects (worker.proto).
+        Steps still queued when the stream ends do not run. Only a broken tensor-parallel
+        group ends the stream itself (and the process)."""
         loop = asyncio.get_running_loop()
         stream = _StreamState()
-        queued: asyncio.Queue[asyncio.Future[worker_pb2.StepsResponse] | None] = (
-            asyncio.Queue())
+        queued: asyncio.Queue[tuple[int, asyncio.Future[StepOutput | worker_pb2.StepsResponse]]
+                              | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for request in requests:
-                    queued.put_nowait(loop.run_in_executor(
-                        self.executor, self._stream_step, request.step, stream))
+                    step_id = request.step.step_id
+                    try:
+                        step: StepInput | Exception = step_from_proto(request.step)
+                    except Exception as exc:  # answered in its turn, as the thread would
+                        step = exc
+                    queued.put_nowait((step_id, loop.run_in_executor(
+                        self.executor, self._stream_step, step_id, step, stream)))
             finally:
                 queued.put_nowait(None)
 
         reader = asyncio.create_task(read(), name="steps-reader")
         try:
-            while (answer := await queued.get()) is not None:
+            while (item := await queued.get()) is not None:
+                step_id, answer = item
                 try:
-                    yield await answer
+                    out = await answer
                 except GroupLost:
                     self._group_lost()
                     raise
+                yield out if isinstance(out, worker_pb2.StepsResponse) else (
+                    worker_pb2.StepsResponse(step_id=step_id, done=step_output_to_proto(out)))
         finally:
             stream.ended = True
             reader.cancel()
 
-    def _stream_step(self, request: worker_pb2.StepRequest,
-                     stream: _StreamState) -> worker_pb2.StepsResponse:
-        """One step of a Steps stream, on the step thread."""
-        step_id = request.step_id
+    def _stream_step(self, step_id: int, step: StepInput | Exception,
+                     stream: _StreamState) -> StepOutput | worker_pb2.StepsResponse:
+        """One step of a Steps stream, on the step thread: its output, or the answer that
+        it failed (``step`` is the error when it could not be decoded) or did not run."""
         if stream.failed or stream.ended:
             return worker_pb2.StepsResponse(step_id=step_id, not_run=True)
         try:
+            if isinstance(step, Exception):
+                raise step
             if not self.ready.is_set():
                 raise Unavailable("the worker is still warming up", reason="WARMING_UP")
-            return worker_pb2.StepsResponse(step_id=step_id, done=self._step(request))
+            return self._run_step(step)
         except GroupLost:
             raise
         except Exception as exc:
@@ -164,9 +176,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.on_group_lost()
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        return step_output_to_proto(self._run_step(step_from_proto(request)))
+
+    def _run_step(self, step: StepInput) -> StepOutput:
+        """Run one step (on the step thread)."""
         assert self.runner is not None
-        return step_output_to_proto(self.telemetry.run(step_from_proto(request),
-                                                       self.runner.step))
+        return self.telemetry.run(step, self.runner.step)
 
     def close(self) -> None:
         if self.runner is not None and self.runner.receiver is not None:
