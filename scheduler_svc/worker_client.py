@@ -218,10 +218,6 @@ class WorkerPool:
             encoder_runs=ok[0].encoder_runs,
         )
 
-    async def step(self, msg: worker_pb2.StepRequest, timeout: float) -> StepResult:
-        """Send ``msg`` and wait for its outcome (one step at a time)."""
-        return await self.result(await self.send(msg), timeout)
-
     def end_streams(self) -> None:
         """Cancel every step stream (after a worker loss: the steps still out are in doubt,
         and the next step opens fresh streams)."""
