@@ -372,6 +372,7 @@ class Engine:
             else:
                 self.ledger.step_done(queued.step_id)
                 unapplied = False
+        self.workers.end_streams()  # the next step starts afresh
         if not unapplied:  # a worker ran a step built on the refused one: state unknown
             self._lose_workers(exc.ranks, "a worker ran a step queued behind a refused one",
                                [step.out, *(q.out for q in later)])

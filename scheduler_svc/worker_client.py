@@ -63,6 +63,8 @@ class _StepStream:
         self.call = stub.Steps()
         self.pending: deque[tuple[int, asyncio.Future[worker_pb2.StepResponse]]] = deque()
         self.ended = False  # no step may be sent on it any more
+        # The engine has dealt with how it ended: the next step may go on a new stream.
+        self.retired = False
         self.reader = asyncio.get_running_loop().create_task(self._read(),
                                                              name=f"steps-{rank}")
 
@@ -177,10 +179,15 @@ class WorkerPool:
                 if old is not None and new is not None and old != new]
 
     async def send(self, msg: worker_pb2.StepRequest) -> SentStep:
-        """Write ``msg`` to every worker's step stream (opened on first use, or again after
-        it ended) without waiting for the step to run; :meth:`result` waits for it."""
+        """Write ``msg`` to every worker's step stream without waiting for the step to run;
+        :meth:`result` waits for it.
+
+        A stream is opened on first use and again after :meth:`end_streams`, never merely
+        because the last one ended: a step sent after an earlier one failed was built on
+        that step's effects and must not run (it fails as not run), until the engine has
+        dealt with the failure."""
         for rank, stream in enumerate(self._streams):
-            if stream is None or stream.ended:
+            if stream is None or stream.retired:
                 self._streams[rank] = _StepStream(self._stubs[rank], rank)
         futures = [await stream.send(msg) for stream in self._streams if stream is not None]
         return SentStep(msg.step_id, futures)
@@ -219,11 +226,12 @@ class WorkerPool:
         )
 
     def end_streams(self) -> None:
-        """Cancel every step stream (after a worker loss: the steps still out are in doubt,
-        and the next step opens fresh streams)."""
+        """Cancel every step stream; the next step opens fresh ones. The engine calls it
+        once it has dealt with a failed step (the steps still out are undone or in doubt)."""
         for stream in self._streams:
             if stream is not None:
                 stream.cancel()
+                stream.retired = True
 
     async def wait_lost(self) -> int:
         """Wait until a worker's health stream ends or stops saying SERVING; its rank.

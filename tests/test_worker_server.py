@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from scheduler_svc.worker_client import StepFailed, WorkerPool
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
@@ -180,3 +181,41 @@ def test_steps_stream_runs_in_order_and_stops_at_a_failed_step(tmp_path: Path) -
     and are answered in order; a failed step is answered with its status and the steps
     behind it are not run; a new stream carries on."""
     asyncio.run(_steps_scenario(tmp_path))
+
+
+async def _late_step_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20)
+    worker = await create_server(config)
+    pool = WorkerPool(worker.addresses)
+    try:
+        await worker.warmup
+        unknown = step_to_proto(StepInput(1, num_scheduled_tokens={"ghost": 1}))
+        unknown.cached_requests.add(request_id="ghost", num_computed_tokens=3)
+        failed = await pool.send(unknown)
+        await asyncio.wait(failed.futures)  # its answer is in before the next step is sent
+        tokens = [BOS_ID, ord("a"), ord("b")]
+        prefill = step_to_proto(StepInput(2, new_requests=[NewRequestData(
+            "p", tokens, 3, [], SamplingParams(), [0], 0)], num_scheduled_tokens={"p": 3}))
+        late = await pool.send(prefill)
+        with pytest.raises(StepFailed) as first:
+            await pool.result(failed, 30)
+        assert first.value.refused and first.value.failures[0].code == (
+            grpc.StatusCode.FAILED_PRECONDITION)
+        with pytest.raises(StepFailed) as second:
+            await pool.result(late, 30)
+        assert second.value.not_run, "a step sent after a failed one must not run"
+        pool.end_streams()  # the scheduler dealt with the failure
+        assert list((await pool.result(await pool.send(prefill), 30)).sampled) == ["p"]
+    finally:
+        await pool.close()
+        await shutdown(worker)
+
+
+def test_a_step_sent_after_a_failed_one_is_not_run_until_the_streams_are_renewed(
+        tmp_path: Path) -> None:
+    """The scheduler's pool (scheduler_svc.worker_client) against a real worker: once a
+    step failed, the steps sent after it were built on its effects, so they fail as not
+    run, even when the failure was known before they were sent, until the engine renews
+    the streams."""
+    asyncio.run(_late_step_scenario(tmp_path))
