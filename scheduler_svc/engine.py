@@ -77,9 +77,8 @@ class ModelInfo:
 class _Out:
     """A step sent to the workers whose results the engine has not applied yet."""
 
-    step_id: int
     out: SchedulerOutput
-    sent: SentStep
+    sent: SentStep  # its step id, and the workers' answers to come
 
 
 def _internal() -> TandemError:
@@ -298,7 +297,7 @@ class Engine:
         except BaseException:  # outcome unknown on every worker
             self.ledger.step_done(step_id, range(len(self.workers.addresses)))
             raise
-        self._out.append(_Out(step_id, out, sent))
+        self._out.append(_Out(out, sent))
         self._deliver()
 
     async def _complete_oldest(self) -> None:
@@ -309,7 +308,7 @@ class Engine:
             result = await self.workers.result(step.sent, self.config.step_timeout_s)
         except StepFailed as exc:
             self._out.popleft()
-            self.ledger.step_done(step.step_id, exc.ranks)
+            self.ledger.step_done(step.sent.step_id, exc.ranks)
             await self._step_failed(step, exc)
             if self._debug_invariants:  # a failed step too: its references are in doubt
                 self.check_invariants()
@@ -318,7 +317,7 @@ class Engine:
             self._abandon()
             raise
         self._out.popleft()
-        self.ledger.step_done(step.step_id)
+        self.ledger.step_done(step.sent.step_id)
         for request, output in self.scheduler.update(step.out, result.sampled,
                                                      result.logprobs):
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
@@ -339,7 +338,7 @@ class Engine:
         outs = []
         while self._out:
             step = self._out.popleft()
-            self.ledger.step_done(step.step_id, every)
+            self.ledger.step_done(step.sent.step_id, every)
             outs.append(step.out)
         self.workers.end_streams()
         return outs
@@ -367,10 +366,10 @@ class Engine:
             try:
                 await self.workers.result(queued.sent, self.config.step_timeout_s)
             except StepFailed as behind:
-                self.ledger.step_done(queued.step_id, behind.ranks)
+                self.ledger.step_done(queued.sent.step_id, behind.ranks)
                 unapplied &= behind.not_run and len(behind.ranks) == len(every)
             else:
-                self.ledger.step_done(queued.step_id)
+                self.ledger.step_done(queued.sent.step_id)
                 unapplied = False
         self.workers.end_streams()  # the next step starts afresh
         if not unapplied:  # a worker ran a step built on the refused one: state unknown
@@ -381,7 +380,7 @@ class Engine:
         for queued in later:
             self.scheduler.unapplied(queued.out)
         log.error("step %d refused by worker(s) %s: failing its %d new requests, "
-                  "recomputing %d and %d steps queued behind it", step.step_id, exc.ranks,
+                  "recomputing %d and %d steps queued behind it", step.sent.step_id, exc.ranks,
                   len(failed), len(step.out.cached_requests), len(later))
         for request in failed:
             self.ledger.release(request)

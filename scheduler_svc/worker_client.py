@@ -52,7 +52,8 @@ class _StepStream:
 
     A step the worker failed is answered with its error (:class:`WorkerStepError`) and the
     ones behind it with not run (:class:`NotRun`, worker.proto); the stream is then spent:
-    closed for writing, and the pool opens a new one for the next step. When the call
+    closed for writing, and steps sent on it fail as not run until the pool retires it
+    (:meth:`WorkerPool.end_streams`) and opens a new one for the next step. When the call
     itself ends (the connection broke, the worker died, it was cancelled), the first
     pending step fails with the call's status and the ones behind it as not run, although
     then nobody knows whether they ran: the engine treats any such failure as a loss.

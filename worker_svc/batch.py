@@ -51,16 +51,7 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
     for state, n in scheduled:
         c, q_start = state.num_computed_tokens, len(tokens)
         tokens.extend(state.token_ids[c:c + n])
-        table = state.block_ids
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(c, c + n))
-        if n == 1:
-            columns.append(state.position_of(c))
-        else:
-            if columns:
-                positions.append(torch.tensor(columns, dtype=torch.int64).T)
-                columns = []
-            positions.append(state.positions_between(c, c + n))
+        slots.extend(state.slot_ids(c, c + n, block_size))
         for f in state.features:
             lo, hi = max(c, f.mm_position.offset), min(c + n, f.mm_position.end)
             if lo < hi:
@@ -69,10 +60,15 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
                 mm_embeds.append(rows)
                 mm_index.append(torch.arange(q_start + lo - c, q_start + hi - c))
         if n == 1:
+            columns.append(state.position_of(c))
             decode_rows.append(q_start)
-            decode_tables.append(table)
+            decode_tables.append(state.block_ids)
             decode_lengths.append(c + 1)
         else:
+            if columns:
+                positions.append(torch.tensor(columns, dtype=torch.int64).T)
+                columns = []
+            positions.append(state.positions_between(c, c + n))
             seqs.append(SequenceSlice(
                 q_start=q_start, q_end=q_start + n,
                 kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
@@ -101,13 +97,14 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
 
 def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
                   block_size: int, device: torch.device) -> DecodeBatch | None:
-    """Single-token sequences: each context is slots 0..length-1 through its block table,
-    padded to the longest (the padding, masked, reads whatever slot the padded table names)."""
+    """Single-token sequences: each context is slots 0..length-1 through its block table
+    (``RequestState.slot_ids``, for the whole batch at once), padded to the longest (the
+    padding, masked, reads whatever slot the padded table names)."""
     if not rows:
         return None
     longest = max(lengths)
     width = -(-longest // block_size)
-    padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables],
+    padded = torch.tensor([(t + [0] * width)[:width] for t in tables],
                           dtype=torch.int64)  # (B, blocks)
     offsets = torch.arange(block_size)
     kv_index = (padded[:, :, None] * block_size + offsets).reshape(len(rows), -1)[:, :longest]

@@ -107,11 +107,14 @@ class RequestState:
         t, h, w = self.positions[:, index].tolist()
         return t, h, w
 
+    def slot_ids(self, start: int, end: int, block_size: int) -> list[int]:
+        """Cache slots of positions [start, end), through the block table."""
+        table = self.block_ids
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
     def slots(self, start: int, end: int, block_size: int) -> Tensor:
-        """Cache slots (end - start,) of positions [start, end), through the block table."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.block_ids, dtype=torch.int64)
-        return table[pos // block_size] * block_size + pos % block_size
+        """:meth:`slot_ids` as a tensor (end - start,)."""
+        return torch.tensor(self.slot_ids(start, end, block_size), dtype=torch.int64)
 
     def drop_covered_payloads(self) -> None:
         self.features = [

@@ -118,6 +118,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 async for request in requests:
                     step_id = request.step.step_id
                     try:
+                        self._check_ready()
                         step: StepInput | Exception = step_from_proto(request.step)
                     except Exception as exc:  # answered in its turn, as the thread would
                         step = exc
@@ -150,8 +151,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             if isinstance(step, Exception):
                 raise step
-            if not self.ready.is_set():
-                raise Unavailable("the worker is still warming up", reason="WARMING_UP")
             return self._run_step(step)
         except GroupLost:
             raise
@@ -161,9 +160,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
                 code=err.code.value[0], message=err.message, reason=err.reason))
 
-    async def _run(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+    def _check_ready(self) -> None:
+        """Checked before a step is queued: the step thread is busy loading until then."""
         if not self.ready.is_set():
             raise Unavailable("the worker is still warming up", reason="WARMING_UP")
+
+    async def _run(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        self._check_ready()
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.executor, self._step, request)
