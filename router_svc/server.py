@@ -49,6 +49,8 @@ class RouterConfig:
     cell_tls: TlsFiles = field(default_factory=TlsFiles)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
+    # The model's names in the router's answers (--served-model-name); empty = the cells'.
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -92,15 +94,16 @@ async def create_router(config: RouterConfig) -> RouterServer:
         asyncio.get_running_loop().create_task(publish())
 
     pool = CellPool(balancer, config.health_interval, on_change, cell_credentials)
-    generate_pb2_grpc.add_GenerationServicer_to_server(
-        RouterServicer(pool, config.block_size), public.server)
+    forwarder = Forwarder(pool, config.block_size, config.served_model_names)
+    generate_pb2_grpc.add_GenerationServicer_to_server(RouterServicer(pool, forwarder),
+                                                       public.server)
     port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
     await pool.start()
     await publish()
     http = None
     if config.http.listen:
         try:
-            http = await HttpServer.start(RouterBackend(Forwarder(pool, config.block_size)),
+            http = await HttpServer.start(RouterBackend(forwarder),
                                           config.http, config.tls)
         except BaseException:
             await public.stop(0)

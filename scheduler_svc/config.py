@@ -24,6 +24,9 @@ class Limits:
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str = "tiny"
+    # The model's names in the APIs (--served-model-name): the first is reported, any is
+    # accepted; empty = ``model`` itself.
+    served_model_names: tuple[str, ...] = ()
     listen: str = "localhost:50051"
     shm_dir: str = ""
     mm_cache: str = "shm"  # shm | lru | none
@@ -55,6 +58,10 @@ class SchedulerConfig:
         if not 0.0 < self.mm_cache_target_fraction <= 1.0:
             raise ValueError(f"--mm-cache-target-fraction must be in (0, 1], got "
                              f"{self.mm_cache_target_fraction}")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
 
     @property
     def num_workers(self) -> int:

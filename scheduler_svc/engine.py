@@ -135,6 +135,8 @@ class Engine:
         # The scheduler's own model files, read before waiting for any worker, so a bad
         # tokenizer or chat template fails the start at once and by name.
         self.tokenizer = load_tokenizer(config.model)
+        # Asked once: model_info runs on every HTTP request, and asking renders a template.
+        self._has_chat_template = _has_chat_template(self.tokenizer)
         self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
                         if isinstance(self.tokenizer, HFTokenizer)
                         and self.tokenizer.image is not None else None)
@@ -546,12 +548,13 @@ class Engine:
             raise Unavailable("the cell is not serving: its workers are not ready")
         c, lim, m = self.config, self.config.limits, self.model
         msg = generate_pb2.GetModelInfoResponse(
-            model_id=c.model, model_type=m.model_type,
+            model_id=c.model_names[0], served_model_names=c.model_names,
+            model_type=m.model_type,
             max_context_length=self.inputs.max_model_tokens,
             max_prompt_tokens=lim.max_prompt_tokens, max_output_tokens=lim.max_tokens,
             default_max_tokens=lim.default_max_tokens, vocab_size=m.vocab_size,
             eos_token_ids=sorted(self.tokenizer.special.eos_ids),
-            has_chat_template=_has_chat_template(self.tokenizer),
+            has_chat_template=self._has_chat_template,
             mm_cache_type=self.cache.kind, prefix_caching=c.enable_prefix_caching)
         if m.image_token_id is not None:
             images = self.inputs.images

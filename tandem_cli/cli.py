@@ -48,6 +48,18 @@ def fraction_arg(text: str) -> float:
     return value
 
 
+def _served_names(text: str) -> list[str]:
+    """TANDEM_SERVED_MODEL_NAME: names separated by commas or whitespace."""
+    return text.replace(",", " ").split()
+
+
+def _add_served_name_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   default=_served_names(_env("SERVED_MODEL_NAME", "")),
+                   help="the model's name(s) in the APIs: the first is reported, any is "
+                        "accepted (default: --model; the router: the cells' names)")
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TANDEM_{name}", default)
 
@@ -81,6 +93,7 @@ def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50051"))
+    _add_served_name_flag(p)
     p.add_argument("--mm-cache", choices=("shm", "lru", "none"), default=_env("MM_CACHE", "shm"))
     p.add_argument("--mm-cache-size", type=size_arg, default=_env("MM_CACHE_SIZE", "256Mi"))
     p.add_argument("--mm-cache-max-object-size", type=size_arg,
@@ -201,7 +214,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
-        async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args))
+        async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args),
+        served_model_names=tuple(args.served_model_name))
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
@@ -370,7 +384,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port, health_listen=args.health_listen,
             tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
             cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
-            http=_http_config(args))))
+            http=_http_config(args), served_model_names=tuple(args.served_model_name))))
     finally:
         _shutdown_tracing()
     return 0
@@ -456,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cells", default=_env("ROUTER_CELLS", ""),
                    help="comma-separated host:port of the cells' schedulers")
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50050"))
+    _add_served_name_flag(p)
     p.add_argument("--load-factor", type=float, default=float(_env("ROUTER_LOAD_FACTOR", "1.25")),
                    help="a cell above this many times the mean in-flight count spills")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))

@@ -135,9 +135,12 @@ def response(text: str, ids: list[int], finish: int = 0, **usage: int,
     msg = generate_pb2.GenerateResponse(request_id="r1", text=text, token_ids=ids,
                                         finish_reason=finish)
     for token_id in ids:
-        msg.logprobs.add(token=generate_pb2.TokenLogprob(token_id=token_id, text=f"<{token_id}>",
+        text = f"<{token_id}>"
+        msg.logprobs.add(token=generate_pb2.TokenLogprob(token_id=token_id, text=text,
+                                                         token_bytes=text.encode(),
                                                          logprob=-0.5),
                          top_logprobs=[generate_pb2.TokenLogprob(token_id=1, text="a",
+                                                                 token_bytes=b"a",
                                                                  logprob=-0.1)])
     if usage:
         msg.usage.CopyFrom(generate_pb2.Usage(**usage))

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import tracing
-from tandem.errors import InvalidInput, NotFound, TandemError, http_error
+from tandem.errors import InvalidInput, TandemError, http_error
 from tandem.openai_api import convert, schema
 from tandem.openai_api.backend import Backend
 from tandem.openai_api.remote_images import RemoteImageFetcher
@@ -97,9 +97,7 @@ async def _complete(request: Request, backend: Backend,
     with_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
     try:
         info = await backend.model_info()
-        if body.model != info.model_id:
-            raise NotFound(f"the model {body.model!r} is not served here (this server serves "
-                           f"{info.model_id!r}; see GET /v1/models)", "MODEL_NOT_FOUND", "model")
+        convert.check_model(body.model, info)
         msg = await convert_request(request.headers.get(REQUEST_ID_HEADER, ""))
         stream = backend.generate(msg)
         if body.stream:

@@ -4,18 +4,20 @@ Pure functions (the streams only iterate what they are given), tested without a 
 Every OpenAI field maps onto a ``GenerateRequest`` field; the scheduler then validates
 the values exactly as it does for gRPC, so both APIs accept and refuse the same requests.
 What the proto cannot express is refused here, with the field named: ``n`` other than 1,
-images given as remote URLs that were not fetched, ``echo`` and ``suffix``.
+several prompts in one request, images given as remote URLs that were not fetched,
+``echo``, ``suffix`` and a ``response_format`` other than ``text``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.errors import InvalidInput
+from tandem.errors import InvalidInput, NotFound
 from tandem.openai_api import schema
 from tandem.v1 import generate_pb2
 
@@ -43,6 +45,16 @@ class ResponseMeta:
 
 
 # --- requests ----------------------------------------------------------------------------
+
+def check_model(model: str, info: generate_pb2.GetModelInfoResponse) -> None:
+    """A request's ``model`` must be one of the served names (404 ``model_not_found``
+    otherwise, as OpenAI answers)."""
+    names = list(info.served_model_names) or [info.model_id]  # a cell from before the names
+    if model not in names:
+        served = ", ".join(f"`{n}`" for n in names)
+        raise NotFound(f"The model `{model}` does not exist (this server serves {served}; "
+                       "see GET /v1/models)", "MODEL_NOT_FOUND", "model")
+
 
 def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                  fetched: Mapping[str, tuple[bytes, str]] | None = None,
@@ -79,22 +91,32 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
 
 def completion_request(req: schema.CompletionRequest,
                        request_id: str = "") -> generate_pb2.GenerateRequest:
-    """A (legacy) completion request: one prompt string, tokenized as is."""
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise InvalidInput(f"prompt must be one string (a list of {len(prompt)} was given; "
-                               "send one request per prompt)", "INVALID_INPUT", "prompt")
-        prompt = prompt[0]
+    """A (legacy) completion request: one prompt, a string tokenized as is or token ids
+    used as they are."""
+    prompt = _one_prompt(req.prompt)
     if req.echo:
         raise InvalidInput("echo is not supported", "UNSUPPORTED", "echo")
     if req.suffix:
         raise InvalidInput("suffix is not supported", "UNSUPPORTED", "suffix")
-    msg = generate_pb2.GenerateRequest(request_id=request_id, prompt=prompt,
-                                       cache_salt=req.cache_salt or "")
+    msg = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=req.cache_salt or "")
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    else:
+        msg.prompt_token_ids.extend(prompt)
     msg.sampling.CopyFrom(sampling(req, req.max_tokens, req.logprobs is not None,
                                    req.logprobs or 0))
     return msg
+
+
+def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+    """The prompt as a string or token ids: ``"text"``, ``["text"]``, ``[1, 2]`` or
+    ``[[1, 2]]``; a list of several prompts is refused (one request, one choice)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) != 1:
+        raise InvalidInput(f"prompt must be one prompt (a list of {len(prompt)} was given; "
+                           "send one request per prompt)", "INVALID_INPUT", "prompt")
+    return prompt[0]  # type: ignore[return-value]
 
 
 def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
@@ -103,6 +125,14 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
     if req.n != 1:
         raise InvalidInput(f"n must be 1 (got {req.n}): send one request per choice",
                            "UNSUPPORTED", "n")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI's own refusal, word for word.
+        raise InvalidInput("The 'stream_options' parameter is only allowed when 'stream' is "
+                           "enabled.", "INVALID_REQUEST", "stream_options")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidInput(f"response_format {req.response_format.type!r} is not supported "
+                           "(structured output is not served here; only 'text')",
+                           "UNSUPPORTED", "response_format")
     s = generate_pb2.SamplingParams(
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_k=req.top_k or 0, min_p=req.min_p or 0.0,
@@ -191,26 +221,40 @@ def finish_reason(msg: generate_pb2.GenerateResponse) -> str | None:
 def chat_logprobs(positions: Iterable[generate_pb2.PositionLogprobs],
                   ) -> schema.ChoiceLogprobs:
     def top(t: generate_pb2.TokenLogprob) -> schema.TopLogprob:
-        return schema.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
+        return schema.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.token_bytes))
 
     return schema.ChoiceLogprobs(content=[
         schema.TokenLogprob(**top(p.token).model_dump(), top_logprobs=[
             top(t) for t in p.top_logprobs]) for p in positions])
 
 
+class TextOffsets:
+    """Where each token of one output starts in its text (the legacy ``text_offset``),
+    counted on the tokens' bytes as the text was decoded from them: a token holding part
+    of a character starts where that character does, and a special token, which the text
+    skips, adds nothing. (Counting each token's own decoded text instead would count a
+    U+FFFD for every piece of a split character.)"""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0  # characters decoded so far
+
+    def next(self, token: generate_pb2.TokenLogprob) -> int:
+        """The offset of ``token``, the output's next token."""
+        offset = self._chars
+        if not token.special:
+            self._chars += len(self._utf8.decode(token.token_bytes))
+        return offset
+
+
 def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
-                        offset: int) -> schema.CompletionLogprobs:
-    """The legacy form; ``offset`` is where the first token's text starts in the output
-    (offsets count each token's own decoded text)."""
-    offsets = []
-    for p in positions:
-        offsets.append(offset)
-        offset += len(p.token.text)
+                        offsets: TextOffsets) -> schema.CompletionLogprobs:
+    """The legacy form; ``offsets`` has seen the output's earlier tokens."""
     return schema.CompletionLogprobs(
         tokens=[p.token.text for p in positions],
         token_logprobs=[p.token.logprob for p in positions],
         top_logprobs=[{t.text: t.logprob for t in p.top_logprobs} for p in positions],
-        text_offset=offsets)
+        text_offset=[offsets.next(p.token) for p in positions])
 
 
 def chat_completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
@@ -234,7 +278,8 @@ def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta
         id=meta.id, created=meta.created, model=meta.model,
         choices=[schema.CompletionChoice(
             text="".join(m.text for m in msgs),
-            logprobs=(completion_logprobs([p for m in msgs for p in m.logprobs], 0)
+            logprobs=(completion_logprobs([p for m in msgs for p in m.logprobs],
+                                          TextOffsets())
                       if with_logprobs else None),
             finish_reason=finish_reason(last) or "abort")],
         usage=usage(last.usage))
@@ -268,15 +313,14 @@ async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: 
 async def completion_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse],
                             meta: ResponseMeta, with_logprobs: bool, include_usage: bool,
                             ) -> AsyncIterator[schema.Completion]:
-    offset = 0
+    offsets = TextOffsets()
     last = None
     async for last in msgs:
         if not (last.text or last.logprobs or last.finish_reason):
             continue
         choice = schema.CompletionChoice(text=last.text, finish_reason=finish_reason(last))
         if with_logprobs:
-            choice.logprobs = completion_logprobs(last.logprobs, offset)
-            offset += sum(len(p.token.text) for p in last.logprobs)
+            choice.logprobs = completion_logprobs(last.logprobs, offsets)
         yield schema.Completion(id=meta.id, created=meta.created, model=meta.model,
                                 choices=[choice])
     if include_usage and last is not None:

@@ -25,7 +25,9 @@ config. The image placeholder is ``image_token_id`` of ``config.json``, wrapped 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +57,10 @@ class HFTokenizer:
         self._image = image
         self._template = template
         self._model_dir = model_dir
-        self._special_ids = frozenset(
-            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_text = {i: tok.content for i, tok in added.items()}
+        self._piece_bytes = _piece_decoder(backend)
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @property
@@ -76,6 +80,18 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added_text:  # added tokens are stored as plain text
+            return self._added_text[token_id].encode()
+        piece = self._backend.id_to_token(token_id)
+        raw = None if piece is None else self._piece_bytes(piece)
+        if raw is None:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return raw
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, self._special_ids)
@@ -136,6 +152,37 @@ class HFTokenizer:
         image = _image_tokens(backend, model_config, root / CONFIG_FILE)
         template = load_chat_template(root, tok_config, token_vars)
         return cls(backend, special, image, template, root)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's scheme, which Qwen, Llama 3 and
+    SmolLM2 keep): printable Latin-1 bytes stand for themselves, the other bytes take the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+def _piece_decoder(backend: tokenizers.Tokenizer) -> Callable[[str], bytes | None]:
+    """A vocabulary piece -> the bytes it stands for, by the tokenizer's decoder: byte-level
+    pieces map character by character, byte-fallback pieces (``<0xF0>``) are one byte;
+    None = not such a piece (its bytes are then its decoded text's)."""
+    state = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    kinds = {d.get("type") for d in state.get("decoders", [state])}
+
+    def piece_bytes(piece: str) -> bytes | None:
+        if "ByteLevel" in kinds and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes((int(piece[3:5], 16),))
+        return None
+
+    return piece_bytes
 
 
 def _backend(path: Path) -> tokenizers.Tokenizer:
