@@ -231,8 +231,9 @@ def chat_logprobs(positions: Iterable[generate_pb2.PositionLogprobs],
 class TextOffsets:
     """Where each token of one output starts in its text (the legacy ``text_offset``),
     counted on the tokens' bytes as the text was decoded from them: a token holding part
-    of a character starts where that character does, and a special token, which the text
-    skips, adds nothing. (Counting each token's own decoded text instead would count a
+    of a character starts where that character does, bytes that make no character count
+    as the U+FFFD the text shows for them, and a special token, which the text skips,
+    adds nothing. (Counting each token's own decoded text instead would count a
     U+FFFD for every piece of a split character.)"""
 
     def __init__(self) -> None:
@@ -241,10 +242,23 @@ class TextOffsets:
 
     def next(self, token: generate_pb2.TokenLogprob) -> int:
         """The offset of ``token``, the output's next token."""
+        if token.special:
+            return self._chars
+        pending, _ = self._utf8.getstate()  # bytes of a character not finished yet
         offset = self._chars
-        if not token.special:
-            self._chars += len(self._utf8.decode(token.token_bytes))
+        if pending and not _continues(pending, token.token_bytes):
+            offset += len(pending.decode("utf-8", "replace"))  # they were not one: U+FFFD
+        self._chars += len(self._utf8.decode(token.token_bytes))
         return offset
+
+
+def _continues(pending: bytes, data: bytes) -> bool:
+    """Whether ``data``'s first byte carries on the unfinished character ``pending``."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(pending + data[:1])
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
