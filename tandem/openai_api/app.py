@@ -227,8 +227,12 @@ class BodyLimit:
     """Refuses a request body over ``max_bytes`` with 413 while it arrives: at once when
     its Content-Length says so, else (chunked) as soon as the bytes received pass it, so
     an oversize body is never held whole. A body within the cap is read here and handed
-    on as it came (the app would read it whole anyway); the 413 closes the connection,
-    leaving the rest of the body unread."""
+    on as it came (the app would read it whole anyway).
+
+    NOTE: the connection stays open: uvicorn reads and drops what the client still sends
+    (a client that stops sending is closed at the keep-alive timeout). Closing it at once
+    would reset it under the unread bytes, and a client still sending its body (every SDK
+    does) would see a connection error instead of the 413."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -267,8 +271,8 @@ class BodyLimit:
             f"the request body is larger than this server's limit of {self.max_bytes} bytes"))
         body = json.dumps(error).encode()
         await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
 
