@@ -201,6 +201,16 @@ def test_a_declared_oversize_body_is_refused_before_it_is_sent(edge: Edge, port:
     _healthy(edge, edge.urls[port])
 
 
+def test_a_client_that_sends_its_oversize_body_whole_reads_the_413(edge: Edge) -> None:
+    """httpx (and the SDKs on it) sends the whole body before reading: the answer waits
+    for it, the body read and dropped, rather than a reset connection."""
+    response = httpx.post(f"{edge.urls['cell']}/v1/chat/completions",
+                          content=b"x" * (BODY_CAP + 1),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert _error(response, 413)["code"] == "request_too_large"
+    _healthy(edge, edge.urls["cell"])
+
+
 def test_a_chunked_body_is_refused_once_it_passes_the_cap(edge: Edge) -> None:
     """No Content-Length: the bytes are counted as they come, and the 413 comes as soon
     as they pass the cap, while the body is still unfinished (never its end)."""

@@ -229,10 +229,10 @@ class BodyLimit:
     an oversize body is never held whole. A body within the cap is read here and handed
     on as it came (the app would read it whole anyway).
 
-    NOTE: the connection stays open: uvicorn reads and drops what the client still sends
-    (a client that stops sending is closed at the keep-alive timeout). Closing it at once
-    would reset it under the unread bytes, and a client still sending its body (every SDK
-    does) would see a connection error instead of the 413."""
+    NOTE: the connection stays open, and uvicorn reads and drops (never holds) what the
+    client still sends. Closing it at once would reset it under the unread bytes, and a
+    client still sending its body (every SDK does) would see a connection error instead
+    of the 413."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
