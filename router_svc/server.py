@@ -20,6 +20,7 @@ from router_svc.servicer import RouterServicer
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
 from tandem.openai_api.http_server import HttpConfig, HttpServer
+from tandem.request_limits import max_http_body_bytes
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 
@@ -103,8 +104,8 @@ async def create_router(config: RouterConfig) -> RouterServer:
     http = None
     if config.http.listen:
         try:
-            http = await HttpServer.start(RouterBackend(forwarder),
-                                          config.http, config.tls)
+            http = await HttpServer.start(RouterBackend(forwarder), config.http, config.tls,
+                                          max_http_body_bytes(MAX_MESSAGE_BYTES))
         except BaseException:
             await public.stop(0)
             await pool.close()

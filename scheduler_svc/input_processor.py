@@ -40,6 +40,7 @@ from tandem.features import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from tandem.request_limits import check_image_count
 from tandem.sampling import BAD_SAMPLING, check_min_tokens, check_sampling, check_stop_strings
 from tandem.text import (
     ChatMessage,
@@ -149,9 +150,7 @@ class InputProcessor:
             media = list(msg.images)
         else:
             raise InvalidInput("the request has neither a prompt nor messages", "EMPTY_PROMPT")
-        if len(media) > self.limits.max_images:
-            raise InvalidInput(f"{len(media)} images; the limit is "
-                               f"{self.limits.max_images} per request", "TOO_MANY_IMAGES")
+        check_image_count(len(media), self.limits.max_images)
         if msg.messages:
             return encode_chat(self.tokenizer, messages), media
         if msg.prompt_token_ids:

@@ -31,6 +31,8 @@ class TandemError(Exception):
 
     code = grpc.StatusCode.INTERNAL
     default_reason = "INTERNAL"
+    # The HTTP status and OpenAI error type when the code's row in HTTP_STATUS is not it.
+    http_status: tuple[int, str] | None = None
 
     def __init_subclass__(cls, code: grpc.StatusCode | None = None, reason: str = "",
                           **kwargs: Any) -> None:
@@ -60,6 +62,14 @@ class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMEN
 
 class ResourceExhausted(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     pass
+
+
+class RequestTooLarge(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      reason="REQUEST_TOO_LARGE"):
+    """A request (or one image in it) over the port's size cap: gRPC's own status for a
+    message over its limit, and HTTP's 413 rather than 429 (no point in retrying it)."""
+
+    http_status = (413, "invalid_request_error")
 
 
 class Unavailable(TandemError, code=grpc.StatusCode.UNAVAILABLE):
@@ -128,7 +138,7 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object (``{"error": {message, type, param, code}}``)
     for any exception, through the same ``classify`` and code as the gRPC status."""
     err = reported(exc)
-    status, kind = HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
+    status, kind = err.http_status or HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
     return status, {"error": {"message": err.message, "type": kind, "param": err.param,
                               "code": err.reason.lower()}}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import shutil
@@ -58,6 +59,15 @@ def _add_served_name_flag(p: argparse.ArgumentParser) -> None:
                    default=_served_names(_env("SERVED_MODEL_NAME", "")),
                    help="the model's name(s) in the APIs: the first is reported, any is "
                         "accepted (default: --model; the router: the cells' names)")
+
+
+def networks_arg(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated CIDR networks (``10.0.0.0/8,fd00::/8``; empty = none), for argparse."""
+    try:
+        return tuple(ipaddress.ip_network(n.strip()) for n in text.split(",") if n.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (expected networks like 10.0.0.0/8, "
+                                         "comma-separated)") from None
 
 
 def _env(name: str, default: str) -> str:
@@ -141,7 +151,12 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
                    help="largest remote image fetched")
     p.add_argument("--http-remote-image-timeout", type=float,
                    default=float(_env("HTTP_REMOTE_IMAGE_TIMEOUT", "10")),
-                   help="seconds one remote image fetch may take, redirects included")
+                   help="seconds all of a request's remote images may take together, "
+                        "redirects included")
+    p.add_argument("--http-remote-image-allow-networks", type=networks_arg,
+                   default=_env("HTTP_REMOTE_IMAGE_ALLOW_NETWORKS", ""),
+                   help="comma-separated CIDR networks remote images may also come from "
+                        "although not public (an in-cluster image store); default none")
 
 
 def _http_config(args: argparse.Namespace):
@@ -149,7 +164,8 @@ def _http_config(args: argparse.Namespace):
     from tandem.openai_api.remote_images import RemoteImageLimits
 
     return HttpConfig(args.http_listen, args.http_allow_remote_images, RemoteImageLimits(
-        args.http_remote_image_max_bytes, args.http_remote_image_timeout))
+        args.http_remote_image_max_bytes, args.http_remote_image_timeout,
+        args.http_remote_image_allow_networks))
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from scheduler_svc.http_backend import EngineBackend
 from scheduler_svc.servicer import logprobs_to_proto
 from tandem.openai_api import convert
 from tandem.openai_api.http_server import HttpConfig, HttpServer
+from tandem.request_limits import max_http_body_bytes
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.text.hf_tokenizer import HFTokenizer
 from tandem.tls import TlsFiles
@@ -270,7 +271,8 @@ async def _count_renders(shm: Path) -> None:
 
         engine.tokenizer.render_chat = counted  # type: ignore[method-assign]
         http = await HttpServer.start(EngineBackend(engine, None),
-                                      HttpConfig(listen="127.0.0.1:0"), TlsFiles())
+                                      HttpConfig(listen="127.0.0.1:0"), TlsFiles(),
+                                      max_http_body_bytes(1 << 20))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}/v1",
                                          timeout=60) as client:

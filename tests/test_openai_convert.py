@@ -24,7 +24,6 @@ from tandem.openai_api import convert, schema
 from tandem.openai_api.remote_images import (
     REFUSED,
     RemoteImageFetcher,
-    RemoteImageLimits,
     is_public,
     resolve_public,
 )
@@ -231,11 +230,8 @@ def test_a_host_that_resolves_to_loopback_is_refused() -> None:
 
 def test_the_fetchers_body_limit() -> None:
     async def read(body: bytes, limit: int) -> bytes:
-        fetcher = RemoteImageFetcher(RemoteImageLimits(max_bytes=limit))
-        try:
-            return await fetcher._body(httpx.Response(200, content=body), "messages")
-        finally:
-            await fetcher.close()
+        return await RemoteImageFetcher._body(httpx.Response(200, content=body), "messages",
+                                              limit)
 
     assert asyncio.run(read(b"x" * 100, 100)) == b"x" * 100
     with pytest.raises(InvalidInput, match="larger than 99 bytes"):

@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.errors import InvalidInput, NotFound
+from tandem.errors import InvalidInput, NotFound, RequestTooLarge
 from tandem.openai_api import schema
+from tandem.request_limits import base64_length
 from tandem.v1 import generate_pb2
 
 # OpenAI's temperature default (the proto's 0 would mean greedy decoding).
@@ -58,11 +59,13 @@ def check_model(model: str, info: generate_pb2.GetModelInfoResponse) -> None:
 
 def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                  fetched: Mapping[str, tuple[bytes, str]] | None = None,
-                 ) -> generate_pb2.GenerateRequest:
+                 max_image_bytes: int | None = None) -> generate_pb2.GenerateRequest:
     """A chat completion request as a GenerateRequest in chat form.
 
     ``fetched``: remote image URL -> (bytes, MIME type) for the URLs the server fetched
     (only when remote images are enabled); any other non-``data:`` URL is refused.
+    ``max_image_bytes``: the cell's image limit; a ``data:`` URI too long to fit it is
+    refused before it is decoded (None: no check here, the cell's alone).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidInput("top_logprobs needs logprobs: true", "BAD_SAMPLING", "top_logprobs")
@@ -82,7 +85,8 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                 out.content.add(text=part.text)
             else:
                 param = f"messages[{i}].content[{j}].image_url.url"
-                out.content.add(image=media_item(part.image_url.url, param, fetched or {}))
+                out.content.add(image=media_item(part.image_url.url, param, fetched or {},
+                                                 max_image_bytes))
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)
     msg.sampling.CopyFrom(sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0))
@@ -153,8 +157,8 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
     return s
 
 
-def media_item(url: str, param: str,
-               fetched: Mapping[str, tuple[bytes, str]]) -> generate_pb2.MediaItem:
+def media_item(url: str, param: str, fetched: Mapping[str, tuple[bytes, str]],
+               max_image_bytes: int | None = None) -> generate_pb2.MediaItem:
     """One ``image_url``: a base64 ``data:`` URI, or a remote URL the server fetched."""
     if url in fetched:
         data, mime = fetched[url]
@@ -168,6 +172,9 @@ def media_item(url: str, param: str,
     if not comma or "base64" not in params:
         raise InvalidInput("an image data: URI must be base64 (data:image/png;base64,...)",
                            "BAD_IMAGE", param)
+    if max_image_bytes is not None and len(payload) > base64_length(max_image_bytes):
+        raise RequestTooLarge(f"the image is larger than {max_image_bytes} bytes (its "
+                              f"base64 is {len(payload)} characters)", param=param)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -176,11 +183,15 @@ def media_item(url: str, param: str,
     return generate_pb2.MediaItem(encoded=data, mime_type=mime)
 
 
+def image_urls(req: schema.ChatCompletionRequest) -> list[str]:
+    """The request's image URLs (``data:`` URIs and remote ones), in order."""
+    return [part.image_url.url for m in req.messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, schema.ImageContent)]
+
+
 def remote_image_urls(req: schema.ChatCompletionRequest) -> list[str]:
     """The request's image URLs that are not ``data:`` URIs, in order."""
-    return [part.image_url.url for m in req.messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, schema.ImageContent)
-            and not part.image_url.url.startswith(DATA_URI_PREFIX)]
+    return [url for url in image_urls(req) if not url.startswith(DATA_URI_PREFIX)]
 
 
 # --- responses ---------------------------------------------------------------------------
