@@ -42,7 +42,7 @@ def checkpoint_ids(config: Mapping[str, Any], config_path: Path,
                    ) -> CheckpointIds:
     """The ids of ``config.json`` (``config``) and ``generation_config.json`` (``generation``,
     None when absent). A malformed id is InvalidInput naming the file and the key."""
-    eos = _ids(generation or {}, "eos_token_id", generation_path) or _ids(
+    eos = id_list(generation or {}, "eos_token_id", generation_path) or id_list(
         _text(config, "eos_token_id"), "eos_token_id", config_path)
     vision: dict[str, int | None] = {key: _id(_text(config, key), key, config_path)
                                      for key in _QWEN_VL_IDS}
@@ -62,7 +62,8 @@ def _text(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return nested if isinstance(nested, dict) and key in nested else config
 
 
-def _ids(source: Mapping[str, Any], key: str, path: Path) -> tuple[int, ...]:
+def id_list(source: Mapping[str, Any], key: str, path: Path) -> tuple[int, ...]:
+    """``source[key]``: an id or a list of ids (none: empty), else InvalidInput."""
     value = source.get(key)
     if value is None:
         return ()

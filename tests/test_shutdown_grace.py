@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -37,23 +38,25 @@ def _tokens_for(cell: Cell, seconds: float) -> int:
     return n
 
 
-def _sigterm_cell(cell: Cell) -> float:
-    """SIGTERM to the scheduler and its workers at once; when it was sent."""
+def _stream_then_sigterm(cell: Cell) -> tuple[Iterator[generate_pb2.GenerateResponse],
+                                              int, int, float]:
+    """A stream that runs past AFTER_SIGTERM_S, its first message read, then SIGTERM to the
+    scheduler and its workers at once: (the stream, its max_tokens, tokens read, when)."""
+    n = _tokens_for(cell, AFTER_SIGTERM_S + 1.0)
+    stream = cell.stub.Generate(request("Keep going", max_tokens=n, ignore_eos=True),
+                                timeout=120)
+    tokens = len(next(stream).token_ids)
     workers = cell.worker_pids()
     assert workers
     sent = time.monotonic()
     for pid in (cell.proc.pid, *workers):
         os.kill(pid, signal.SIGTERM)
-    return sent
+    return stream, n, tokens, sent
 
 
 def test_a_stream_longer_than_the_old_grace_finishes_after_sigterm(tmp_path: Path) -> None:
     with running_cell(tmp_path, "--shutdown-grace", "60", *FLAGS) as cell:
-        n = _tokens_for(cell, AFTER_SIGTERM_S + 1.0)
-        stream = cell.stub.Generate(request("Keep going", max_tokens=n, ignore_eos=True),
-                                    timeout=120)
-        tokens = len(next(stream).token_ids)
-        sent = _sigterm_cell(cell)
+        stream, n, tokens, sent = _stream_then_sigterm(cell)
         last = None
         for last in stream:
             tokens += len(last.token_ids)
@@ -66,11 +69,7 @@ def test_a_stream_longer_than_the_old_grace_finishes_after_sigterm(tmp_path: Pat
 
 def test_a_grace_shorter_than_the_stream_cuts_it(tmp_path: Path) -> None:
     with running_cell(tmp_path, "--shutdown-grace", "0.5", *FLAGS) as cell:
-        n = _tokens_for(cell, AFTER_SIGTERM_S + 1.0)
-        stream = cell.stub.Generate(request("Keep going", max_tokens=n, ignore_eos=True),
-                                    timeout=120)
-        tokens = len(next(stream).token_ids)
-        sent = _sigterm_cell(cell)
+        stream, n, tokens, sent = _stream_then_sigterm(cell)
         with pytest.raises(grpc.RpcError):
             for msg in stream:
                 tokens += len(msg.token_ids)

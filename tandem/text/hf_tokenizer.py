@@ -31,7 +31,7 @@ from typing import Any
 
 import tokenizers
 
-from tandem.checkpoint_ids import CheckpointIds, checkpoint_ids
+from tandem.checkpoint_ids import CheckpointIds, checkpoint_ids, id_list
 from tandem.errors import InvalidInput
 from tandem.text.chat_template import ChatMessage, ChatTemplate, load_chat_template
 from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
@@ -125,7 +125,7 @@ class HFTokenizer:
             eos_ids = (eos,)
         pad_id = token_id("pad_token")
         if pad_id is None:
-            pad = _ids(gen_config, "pad_token_id", root / GENERATION_CONFIG_FILE)
+            pad = id_list(gen_config, "pad_token_id", root / GENERATION_CONFIG_FILE)
             pad_id = pad[0] if pad else None
         special = SpecialTokens(bos_id=token_id("bos_token"), eos_ids=eos_ids, pad_id=pad_id)
         vocab = backend.get_vocab_size(with_added_tokens=True)
@@ -198,16 +198,6 @@ def _token_variables(config: Mapping[str, Any], path: Path) -> dict[str, str]:
         if isinstance(value, str):
             out[key] = value
     return out
-
-
-def _ids(config: Mapping[str, Any], key: str, path: Path) -> tuple[int, ...]:
-    value = config.get(key)
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise bad_key(path, key, f"must be an integer or a list of integers, got {value!r}")
-    return tuple(values)
 
 
 def _image_tokens(backend: tokenizers.Tokenizer, ids: CheckpointIds,
