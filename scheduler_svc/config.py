@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler_svc.image_processor import ImageProcessorConfig
 from tandem.openai_api.http_server import HttpConfig
+from tandem.shutdown import DEFAULT_GRACE_S
 from tandem.tls import TlsFiles
 
 
@@ -49,6 +50,7 @@ class SchedulerConfig:
     # scheduling"); off: one step at a time.
     async_scheduling: bool = True
     metrics_port: int = 0
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # running streams may finish (tandem.shutdown)
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)

@@ -33,7 +33,6 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass
@@ -46,7 +45,7 @@ class SchedulerServer:
     metrics: MetricsEndpoint | None = None
     http: HttpServer | None = None
 
-    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+    async def stop(self, grace: float) -> None:
         """Health NOT_SERVING and new calls refused at once, on the gRPC and the HTTP port
         -> running streams finish while the engine keeps stepping (up to ``grace``; the
         rest are cancelled, which aborts their requests) -> close the health-only port ->
@@ -161,5 +160,5 @@ async def serve(config: SchedulerConfig) -> None:
     print(f"tandem scheduler listening on {config.listen}{http} (pid {os.getpid()})",
           flush=True)
     await stop.wait()
-    log.info("shutting down")
-    await running.stop()
+    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
+    await running.stop(config.shutdown_grace_s)

@@ -41,6 +41,7 @@ from test_chart_harness import (
 )
 
 from tandem import __version__
+from tandem.shutdown import DEFAULT_GRACE_S, STOP_MARGIN_S
 from tandem_cli.cli import build_parser
 from tandem_operator.main import parser as operator_parser
 from tandem_operator.manifests import build_service, endpoint
@@ -497,3 +498,17 @@ def test_autosize_passes_through_to_the_operator(helm: dict) -> None:
     assert spec.cache.auto_size is not None and spec.cache.auto_size.max == 16 << 30
     with pytest.raises(RenderError, match="autoSize"):  # the schema wants both bounds
         render("helm4", (), ('service.featureCache.autoSize={"min":"1Gi"}',))
+
+
+@pytest.mark.parametrize("sets,grace", [((), DEFAULT_GRACE_S),
+                                        (("service.shutdownGraceSeconds=90",), 90.0),
+                                        (("service.shutdownGraceSeconds=0",), 0.0)],
+                         ids=["default", "90", "0"])
+def test_the_shutdown_grace_reaches_the_pods(helm: dict, sets: tuple[str, ...],
+                                             grace: float) -> None:
+    """Issue 22, item 6: service.shutdownGraceSeconds, through the CRD and the operator's
+    builders, is the scheduler's TANDEM_SHUTDOWN_GRACE and sets its pod's grace (0 too)."""
+    spec, scheduler, _ = operator_view(render("helm4", (), sets))
+    assert spec.shutdown_grace == grace
+    assert env_of(scheduler["spec"]["containers"][0])["TANDEM_SHUTDOWN_GRACE"] == f"{grace:g}"
+    assert scheduler["spec"]["terminationGracePeriodSeconds"] == int(grace + STOP_MARGIN_S)
