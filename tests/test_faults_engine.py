@@ -27,6 +27,7 @@ from workers import running_worker
 from tandem.errors import TandemError, Unavailable
 from tandem.processor_cache import SEGMENT_FILE
 from tandem.shm.segment import C_ACKS, C_REFS, HEADER_SIZE
+from tandem.v1 import worker_pb2
 from tandem_testing.cells import png, request
 from worker_svc.config import WorkerConfig
 
@@ -131,6 +132,74 @@ def test_an_unexpected_error_fails_the_requests_then_health(worker, monkeypatch)
             with pytest.raises(Unavailable):
                 await generate(e, request("Text only", max_tokens=4))
             corrupt_ack(shm, 1)
+
+    asyncio.run(main())
+
+
+def _worker_holds(steps: list[worker_pb2.StepRequest]) -> tuple[set[str], set[str]]:
+    """(request ids, encoder-output hashes) a worker holds after running ``steps`` in
+    order: what its step messages told it to create and to drop (worker.proto)."""
+    features: dict[str, list[str]] = {}
+    encoded: set[str] = set()
+    for step in steps:
+        for rid in step.finished_request_ids:
+            features.pop(rid, None)
+        encoded -= set(step.free_encoder_mm_hashes)
+        for new in step.new_requests:
+            features[new.request_id] = [f.identifier for f in new.features]
+        for rid, inputs in step.scheduled_encoder_inputs.items():
+            encoded |= {features[rid][i] for i in inputs.feature_indices}
+    return set(features), encoded
+
+
+def test_after_an_unexpected_error_the_workers_drop_what_the_abandoned_steps_released(
+        worker) -> None:
+    """The loop fails while sending the step that releases request A (cancelled) and
+    evicts A's image from the workers' encoder cache to make room for B's: that step
+    never reaches the worker. After the recovery the next steps must carry those releases,
+    or the worker keeps A's state and A's encoder output for good."""
+    shm, _ = worker
+    small = {"encoder_cache_embeds": 4, "min_pixels": 56 * 56, "max_pixels": 56 * 56}
+
+    async def main() -> None:
+        async with running_engine(shm, step_timeout_s=STEP_TIMEOUT_S, max_num_seqs=2,
+                                  **small) as e:
+            sent: list[worker_pb2.StepRequest] = []  # every step written to the worker
+            abandoned: list[worker_pb2.StepRequest] = []
+            send = e.workers.send
+
+            async def failing_send(msg):  # delegates, except for the one step it fails
+                if msg.finished_request_ids and msg.free_encoder_mm_hashes and not abandoned:
+                    abandoned.append(msg)
+                    raise RuntimeError("injected: the step never reaches the worker")
+                out = await send(msg)
+                sent.append(msg)
+                return out
+
+            e.workers.send = failing_send  # type: ignore[method-assign]
+            long = asyncio.create_task(generate(e, request(
+                "A long answer", max_tokens=60, ignore_eos=True)))
+            a = e.generate(request(PROMPT, [png(4, 56, 56)], max_tokens=60, ignore_eos=True))
+            await anext(a)
+            await anext(a)  # A is running; its image's encoder output is on the worker
+            b = asyncio.create_task(generate(e, request(PROMPT, [png(5, 56, 56)],
+                                                        max_tokens=4)))
+            await until(lambda: len(e.scheduler.waiting) == 1)  # B waits for a seat
+            await a.aclose()  # the client leaves A: B takes its seat and A's encoder slot
+            for task in (long, b):
+                with pytest.raises(TandemError) as err:
+                    await asyncio.wait_for(task, 20)
+                assert err.value.code == grpc.StatusCode.INTERNAL
+            [step] = abandoned
+            assert e.errors == 1 and e.serving
+            assert await generate(e, request("After the error", max_tokens=2)) != []
+            await idle(e)
+            requests, encoded = _worker_holds(sent)
+            assert requests == set() and encoded == set(), (
+                f"the worker keeps {requests} and encoder outputs {encoded}; the abandoned "
+                f"step released {list(step.finished_request_ids)} and "
+                f"{list(step.free_encoder_mm_hashes)}")
+            await until(lambda: e.cache_stats().shm_unacked_refs == 0)
 
     asyncio.run(main())
 
