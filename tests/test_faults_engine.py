@@ -1,6 +1,7 @@
 """The scheduler's engine against a real worker process, with faults a cell meets: a worker
 stopped (SIGSTOP) for longer than the step timeout, a step refused by a healthy worker, an
-unexpected error in the engine loop, and shutdown while a worker is unreachable.
+unexpected error in the engine loop (and what the workers are told after it), a stray
+reply on a step stream, and shutdown while a worker is unreachable.
 
 The engine, its processor cache (a real segment) and a fault-injecting relay run in the
 test's event loop; the worker is a spawned ``worker_svc`` process reached over its Unix
@@ -24,6 +25,7 @@ from engines import generate, idle, running_engine, until
 from worker_relay import relay
 from workers import running_worker
 
+from scheduler_svc.worker_client import WorkerPool
 from tandem.errors import TandemError, Unavailable
 from tandem.processor_cache import SEGMENT_FILE
 from tandem.shm.segment import C_ACKS, C_REFS, HEADER_SIZE
@@ -132,6 +134,51 @@ def test_an_unexpected_error_fails_the_requests_then_health(worker, monkeypatch)
             with pytest.raises(Unavailable):
                 await generate(e, request("Text only", max_tokens=4))
             corrupt_ack(shm, 1)
+
+    asyncio.run(main())
+
+
+def test_a_stray_reply_on_the_step_stream_fails_the_steps_instead_of_hanging(
+        worker, tmp_path) -> None:
+    """Fault 7: the worker's stream answers a step twice, when no other step is pending.
+    The stream's reader must fail what is sent on it after that (the worker is then lost
+    and the cell reconnects), never leave a request waiting for an answer for good."""
+    shm, _ = worker
+
+    async def main() -> None:
+        async with relay(shm / "worker-0.sock", tmp_path / "relay.sock") as r, \
+                running_engine(shm, f"unix://{tmp_path}/relay.sock",
+                               step_timeout_s=STEP_TIMEOUT_S) as e:
+            # the step that only releases the finished request: the last one out
+            r.repeat = lambda step: not step.num_scheduled_tokens
+            await generate(e, request("Once", max_tokens=1))
+            await idle(e)
+            r.repeat = lambda _: False
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(generate(e, request("Then", max_tokens=2)), 10)
+            await until(lambda: e.serving)
+            assert len(await generate(e, request("Again", max_tokens=2))) == 2
+            assert e.worker_losses == 1 and e.errors == 0
+
+    asyncio.run(main())
+
+
+def test_a_step_whose_waiter_gave_up_leaves_the_step_stream_working(worker) -> None:
+    """Fault 7, the other way a reader could end: the answer of a step whose future was
+    cancelled (its waiter gave up) must not end the reader, or the steps behind it hang."""
+    shm, _ = worker
+
+    async def main() -> None:
+        pool = WorkerPool([f"unix://{shm}/worker-0.sock"])
+        try:
+            await pool.describe(10)
+            first = await pool.send(worker_pb2.StepRequest(step_id=1))
+            first.futures[0].cancel()
+            second = await pool.send(worker_pb2.StepRequest(step_id=2))
+            result = await asyncio.wait_for(pool.result(second, STEP_TIMEOUT_S), 10)
+            assert result.sampled == {}
+        finally:
+            await pool.close()
 
     asyncio.run(main())
 
