@@ -88,6 +88,30 @@ def test_a_timed_out_step_leaves_the_slot_of_a_live_worker_alone(worker) -> None
     asyncio.run(main())
 
 
+def test_in_doubt_references_settle_without_further_traffic(worker) -> None:
+    """The step carrying an image times out on a stopped worker: its references are in
+    doubt. Once the worker answers again, the cell, with no request to run, still settles
+    them (the step carrying the lost requests' releases goes out by itself), so an idle
+    cell does not report unacknowledged references (the operator's ReferencesLeaking)."""
+    shm, pid = worker
+
+    async def main() -> None:
+        async with running_engine(shm, step_timeout_s=STEP_TIMEOUT_S) as e:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Unavailable):
+                    await generate(e, request(PROMPT, [png(6)], max_tokens=4))
+                assert e.ledger_stats().in_doubt > 0 and e.cache_stats().shm_unacked_refs > 0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await until(lambda: e.serving)
+            await until(lambda: e.cache_stats().shm_unacked_refs == 0, timeout=5)
+            assert e.ledger_stats().refs == 0
+            e.check_invariants()
+
+    asyncio.run(main())
+
+
 def test_a_step_refused_by_a_healthy_worker_fails_only_its_requests(worker, tmp_path) -> None:
     """Fault 6: INVALID_ARGUMENT is the worker's answer about one step's requests, not a
     lost worker: the others keep streaming and the cell keeps serving."""
