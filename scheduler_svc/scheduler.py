@@ -125,8 +125,7 @@ class SchedulerOutput:
 
     @property
     def scheduled_request_ids(self) -> list[str]:
-        return [n.request.request_id for n in self.new_requests] + [
-            c.request_id for c in self.cached_requests]
+        return [r.request_id for r, _ in self.scheduled()]
 
     def scheduled(self) -> list[tuple[Request, int]]:
         """(request, tokens computed before this step) of every request the step runs:
