@@ -24,8 +24,8 @@ from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, free_port, request, running_cell
 
 PROMPT = "Tell me a long story about the sea and its ships"
-MAX_TOKENS = 16
-ROUNDS = 30
+MAX_TOKENS = 12
+ROUNDS = 20
 
 
 @pytest.fixture(scope="module")
