@@ -74,6 +74,7 @@ class ModelSpec:
     claim_name: str  # PersistentVolumeClaim mounted read-only at `path` ("" = none)
     sub_path: str  # the claim's directory mounted there ("" = its root)
     host_path: str  # the node's directory mounted read-only at `path` ("" = none)
+    served_names: tuple[str, ...]  # TANDEM_SERVED_MODEL_NAME (() = `setting` is the name)
 
     @property
     def setting(self) -> str:
@@ -264,7 +265,8 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         namespace=namespace,
         model=ModelSpec(name=model["name"], path=model.get("path", ""),
                         claim_name=model.get("claimName", ""),
-                        sub_path=model.get("subPath", ""), host_path=model.get("hostPath", "")),
+                        sub_path=model.get("subPath", ""), host_path=model.get("hostPath", ""),
+                        served_names=tuple(model.get("servedNames", ()))),
         cells=s["cells"],
         pull_policy=image["pullPolicy"],
         pull_secrets=tuple(image.get("pullSecrets") or ()),
