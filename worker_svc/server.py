@@ -109,8 +109,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         here while the thread runs a step; answers go back in order. A failed step is
         answered with its error, the status Step would end with; every later one with
         ``not_run``: the scheduler built them on the failed step's effects (worker.proto).
-        Steps still queued when the stream ends do not run. Only a broken tensor-parallel
-        group ends the stream itself (and the process)."""
+        Steps still queued when the stream ends do not run. A step not run still has its
+        address items acknowledged (:meth:`_skip`). Only a broken tensor-parallel group
+        ends the stream itself (and the process)."""
         loop = asyncio.get_running_loop()
         stream = _StreamState()
         queued: asyncio.Queue[tuple[int, asyncio.Future[StepOutput | worker_pb2.StepsResponse]]
@@ -185,7 +186,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         when they fail the checks it stays not run, and the scheduler's doubt stays."""
         assert self.runner is not None  # a decoded step passed _check_ready
         try:
-            self.runner.skip(step)
+            if acked := self.runner.skip(step):
+                log.info("step %d was not run; its %d address items are acknowledged",
+                         step.step_id, acked)
         except (TandemError, ShmError) as exc:
             log.warning("step %d was not run and its address items were not acknowledged: "
                         "%s", step.step_id, exc)
