@@ -3,7 +3,10 @@
 Each worker is one reader slot (its rank). The worker's part of the delivery obligation
 (stated in ``scheduler_svc/delivery.py``): every address item of an accepted step is
 acknowledged, whether or not its payload is read, and only once the whole step was
-accepted (``resolve`` reads, ``acknowledge`` acks), so a refused step acknowledges nothing:
+accepted (``resolve`` reads, ``acknowledge`` acks), so a refused step acknowledges nothing.
+A step the worker does not run (answered ``not_run``, worker.proto) is acknowledged too,
+without reading anything (``resolve(read=False)``): it arrived, and the slot is this
+reader's alone, so no one else could ever settle its references. Per address item:
 
 * ``data is None``: a stripped by-value payload; it carries no reference, so nothing is
   touched (vLLM's #54994 crash came from asserting here);
@@ -73,12 +76,14 @@ class ShmReceiverCache:
         self._reader, self._name = reader, name
 
     def resolve(self, features: Sequence[MultiModalFeatureSpec], num_computed_tokens: int,
-                uses_mrope: bool, pending: Counter[int] | None = None) -> ResolvedFeatures:
+                uses_mrope: bool, pending: Counter[int] | None = None,
+                read: bool = True) -> ResolvedFeatures:
         """Read what the step needs of each address item; acknowledge nothing yet.
 
         ``pending`` (chunk address -> refs) carries the refs earlier calls for the same step
         will acknowledge, so a descriptor repeated within a step is refused, not double
-        counted; it is updated in place.
+        counted; it is updated in place. ``read=False`` (a step that is not run) only checks
+        the address items: every data comes back None.
         """
         pending = Counter() if pending is None else pending
         out, resolved, to_ack = [], 0, []
@@ -90,9 +95,9 @@ class ShmReceiverCache:
             covered = f.is_covered(num_computed_tokens)
             with reader.peek(f.data, pending[f.data.address]) as buf:
                 item = None
-                if not covered or uses_mrope:  # M-RoPE needs the grid even when covered
+                if read and (not covered or uses_mrope):  # M-RoPE needs the grid when covered
                     item = item_from_buffer(buf, only_keep_on_cpu=covered, device=self.device)
-            resolved += not covered
+            resolved += item is not None and not covered
             pending[f.data.address] += f.data.refs
             to_ack.append(f.data)
             out.append(replace(f, data=item))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -15,9 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scheduler_svc.worker_client import StepFailed, WorkerPool
+from tandem.feature_codec import item_to_parts
+from tandem.shm import ShmWriter
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem_testing.scripted import synthetic_image, synthetic_prompt
 from worker_svc.config import WorkerConfig
+from worker_svc.model_config import PRESETS
 from worker_svc.server import SERVICE_NAME, create_server, shutdown
 from worker_svc.step import NewRequestData, SamplingParams, StepInput
 from worker_svc.step_codec import step_to_proto
@@ -219,3 +224,63 @@ def test_a_step_sent_after_a_failed_one_is_not_run_until_the_streams_are_renewed
     run, even when the failure was known before they were sent, until the engine renews
     the streams."""
     asyncio.run(_late_step_scenario(tmp_path))
+
+
+async def _not_run_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20)
+    worker = await create_server(config)
+    writer = ShmWriter(tmp_path / "cell" / "features.seg", 1 << 20, n_readers=1,
+                       max_object_size=1 << 20)
+    try:
+        await worker.warmup
+        image = synthetic_image(PRESETS["tiny"], 2, 2, seed=3)
+        tokens, [feature] = synthetic_prompt(PRESETS["tiny"], ["Look: ", "?"],
+                                             [("img", image)])
+        first = writer.put("img", item_to_parts(image))
+        second = writer.hit("img")  # the same chunk twice in one step: 2 refs on the slot
+
+        def prefill(step_id: int, rid: str, data: object) -> worker_pb2.StepsRequest:
+            req = NewRequestData(rid, tokens, len(tokens), [replace(feature, data=data)],
+                                 SamplingParams(), [0, 1], 0)
+            return worker_pb2.StepsRequest(step=step_to_proto(StepInput(
+                step_id, "features.seg", writer.generation, new_requests=[req],
+                num_scheduled_tokens={rid: len(tokens)})))
+
+        unknown = step_to_proto(StepInput(1, num_scheduled_tokens={"ghost": 1}))
+        unknown.cached_requests.add(request_id="ghost", num_computed_tokens=3)
+        async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Steps()
+            for msg in (worker_pb2.StepsRequest(step=unknown), prefill(2, "a", first),
+                        prefill(3, "b", second), prefill(4, "c", first)):
+                await call.write(msg)
+            answers = [await call.read() for _ in range(4)]
+            assert answers[0].WhichOneof("outcome") == "error"
+            assert [a.not_run for a in answers[1:]] == [True] * 3
+            # Steps 2 and 3 acknowledged their references on the worker's slot, as if run;
+            # step 4 repeats step 2's descriptor, which would over-acknowledge: none of it.
+            assert writer.outstanding() == {}
+            assert writer.stats().unacked_refs == 0
+            call.cancel()
+            # Nothing else changed: the not-run requests are unknown to the worker.
+            call = worker_pb2_grpc.WorkerStub(channel).Steps()
+            again = worker_pb2.StepsRequest(step=unknown)
+            again.step.step_id, again.step.cached_requests[0].request_id = 5, "a"
+            again.step.num_scheduled_tokens.clear()
+            again.step.num_scheduled_tokens["a"] = 1
+            await call.write(again)
+            assert (await call.read()).error.reason == "UNKNOWN_REQUEST"
+            call.cancel()
+        writer.check_invariants()
+    finally:
+        writer.close()
+        await shutdown(worker)
+
+
+def test_a_step_not_run_acknowledges_its_address_items(tmp_path: Path) -> None:
+    """A step the worker answers not_run (here: queued behind a failed one) acknowledges its
+    address items on the worker's own reader slot, reading nothing and changing nothing
+    else: the scheduler holds such a step's references in doubt on that slot, and only the
+    worker may write its slot, so without it they would stay unacknowledged for good
+    (issue 22, item 5)."""
+    asyncio.run(_not_run_scenario(tmp_path))

@@ -13,7 +13,7 @@ import torch
 
 from tandem.errors import FailedPrecondition, InvalidInput
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
-from tandem.receiver_cache import ShmReceiverCache
+from tandem.receiver_cache import ResolvedFeatures, ShmReceiverCache
 from tandem.sampling import check_sampling
 from tandem.shm import ShmDescriptor
 from worker_svc.batch import build_batch
@@ -225,17 +225,38 @@ class StepRunner:
                 raise FailedPrecondition("address items received but this worker has no "
                                          "shared directory", reason="SHM_NOT_ATTACHED")
             self.receiver.ensure_segment(step.segment_name, step.segment_generation)
-        states, resolved, to_ack = {}, 0, []
+        results = self._resolve(step, read=True)
+        states = {r.request_id: new_request_state(r, res.features, self.config)
+                  for r, res in zip(step.new_requests, results, strict=True)}
+        return (states, sum(res.resolved for res in results),
+                [desc for res in results for desc in res.to_ack])
+
+    def _resolve(self, step: StepInput, read: bool) -> list[ResolvedFeatures]:
+        """Each new request's features through the receiver cache, acknowledging nothing
+        (``read=False``: only check the address items)."""
+        if self.receiver is None:
+            return [ResolvedFeatures(r.features, 0) for r in step.new_requests]
         pending: Counter[int] = Counter()  # chunk address -> refs this step will ack
-        for r in step.new_requests:
-            features = r.features
-            if self.receiver is not None:
-                res = self.receiver.resolve(r.features, r.num_computed_tokens,
-                                            self.config.uses_mrope, pending)
-                features, resolved = res.features, resolved + res.resolved
-                to_ack += res.to_ack
-            states[r.request_id] = new_request_state(r, features, self.config)
-        return states, resolved, to_ack
+        return [self.receiver.resolve(r.features, r.num_computed_tokens,
+                                      self.config.uses_mrope, pending, read)
+                for r in step.new_requests]
+
+    def skip(self, step: StepInput) -> int:
+        """``step`` will not run here (the worker answers it ``not_run``, worker.proto):
+        acknowledge its address items as running it would have, reading none, and change
+        nothing else; returns the count.
+
+        Why: the scheduler holds a step that failed on a slot in doubt (it may have run)
+        and settles by reading the slot's counter, which only this reader may write. Left
+        unacknowledged, a live worker's not-run step pins its references for good. A step
+        whose address items fail the checks acknowledges none of them (raises). Runs on the
+        step thread in the step's turn, so settlement's ordering rule holds.
+        """
+        if self.receiver is None:
+            return 0
+        self._follow_segment(step)
+        return self.receiver.acknowledge(
+            [desc for res in self._resolve(step, read=False) for desc in res.to_ack])
 
     def _check_encoder_payloads(self, step: StepInput,
                                 new_states: dict[str, RequestState]) -> None:

@@ -21,10 +21,11 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from tandem.errors import ResourceExhausted, Unavailable, reported
+from tandem.errors import ResourceExhausted, TandemError, Unavailable, reported
 from tandem.grpc_server import GrpcServer
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
+from tandem.shm import ShmError
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
@@ -108,8 +109,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         here while the thread runs a step; answers go back in order. A failed step is
         answered with its error, the status Step would end with; every later one with
         ``not_run``: the scheduler built them on the failed step's effects (worker.proto).
-        Steps still queued when the stream ends do not run. Only a broken tensor-parallel
-        group ends the stream itself (and the process)."""
+        Steps still queued when the stream ends do not run. A step not run still has its
+        address items acknowledged (:meth:`_skip`). Only a broken tensor-parallel group
+        ends the stream itself (and the process)."""
         loop = asyncio.get_running_loop()
         stream = _StreamState()
         queued: asyncio.Queue[tuple[int, asyncio.Future[StepOutput | worker_pb2.StepsResponse]]
@@ -164,6 +166,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """One step of a Steps stream, on the step thread: its output, or the answer that
         it failed (``step`` is the error when it could not be decoded) or did not run."""
         if stream.failed or stream.ended:
+            if not isinstance(step, Exception):
+                self._skip(step)
             return worker_pb2.StepsResponse(step_id=step_id, not_run=True)
         try:
             if isinstance(step, Exception):
@@ -176,6 +180,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             err = reported(exc)
             return worker_pb2.StepsResponse(step_id=step_id, error=worker_pb2.StepError(
                 code=err.code.value[0], message=err.message, reason=err.reason))
+
+    def _skip(self, step: StepInput) -> None:
+        """A step answered ``not_run`` acknowledges its address items (``StepRunner.skip``);
+        when they fail the checks it stays not run, and the scheduler's doubt stays."""
+        assert self.runner is not None  # a decoded step passed _check_ready
+        try:
+            if acked := self.runner.skip(step):
+                log.info("step %d was not run; its %d address items are acknowledged",
+                         step.step_id, acked)
+        except (TandemError, ShmError) as exc:
+            log.warning("step %d was not run and its address items were not acknowledged: "
+                        "%s", step.step_id, exc)
 
     def _check_ready(self) -> None:
         """Checked before a step is queued: the step thread is busy loading until then."""

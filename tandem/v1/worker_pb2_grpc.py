@@ -73,8 +73,9 @@ class WorkerServicer:
         the order they arrive, and answers each, in the same order, so the scheduler may send
         step N+1 before step N's answer is back. A step that fails is answered with its error
         (what Step's status would be), and every later step on the same stream with not_run:
-        the scheduler built those on the failed step's effects. The scheduler then opens a
-        new stream.
+        the scheduler built those on the failed step's effects, as are steps still queued when
+        the stream ends. A step not run still has its address items acknowledged. The
+        scheduler then opens a new stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
