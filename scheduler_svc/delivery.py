@@ -123,6 +123,9 @@ class DeliveryLedger:
         self._in_flight: dict[int, list[ShmDescriptor]] = {}  # step id -> refs sent
         self._doubt: dict[int, _Doubt] = {}  # monotonic id -> unknown deliveries
         self._unsettled: set[int] = set()  # slots whose last step failed: counters may move
+        # Steps that failed on some slots, until the next settle: step id -> (the refs it
+        # carried, those slots). A worker may never have received them (see ``unseen``).
+        self._failed: dict[int, tuple[list[ShmDescriptor], frozenset[int]]] = {}
         self._processing: dict[str, asyncio.Future[MultiModalKwargsItem]] = {}
         self._released_in_doubt = 0
 
@@ -276,6 +279,8 @@ class DeliveryLedger:
         When no slot failed, every slot is quiescent and the doubts are settled.
         """
         refs = self._in_flight.pop(step_id, [])
+        if refs and failed_slots:
+            self._failed[step_id] = refs, frozenset(failed_slots)
         for slot in failed_slots:
             for desc in refs:
                 doubt = self._doubt.setdefault(
@@ -284,14 +289,24 @@ class DeliveryLedger:
                 doubt.exact = False
         self._unsettled.update(failed_slots)
         if not failed_slots:
-            self._settle()
+            self.settle()
 
-    def _settle(self) -> None:
-        """Every slot just completed a step, so no earlier step can still acknowledge:
-        read what each slot left unacknowledged, release what no slot acknowledged.
-        Objects that a later step still out also carries wait for a settle without it
-        (that step may be acknowledging them now)."""
+    def unseen(self, slot: int) -> list[tuple[int, list[ShmDescriptor]]]:
+        """The steps, oldest first, that failed on ``slot`` since the last settle, with
+        the references each carried: what the worker there may never have received (a
+        step stream ends with steps still unread), so it would never acknowledge them
+        unless asked (worker.proto, Acknowledge)."""
+        return [(step_id, refs) for step_id, (refs, slots) in sorted(self._failed.items())
+                if slot in slots]
+
+    def settle(self) -> None:
+        """Every slot is quiescent (it just completed a step, or acknowledged what it was
+        asked to with no step out), so no earlier step can still acknowledge: read what
+        each slot left unacknowledged, release what no slot acknowledged. Objects that a
+        later step still out also carries wait for a settle without it (that step may be
+        acknowledging them now)."""
         self._unsettled.clear()
+        self._failed.clear()
         if not self._doubt or self.writer is None:
             return
         outstanding = self.writer.outstanding()
@@ -332,6 +347,8 @@ class DeliveryLedger:
             if not any(doubt.per_slot):
                 del self._doubt[mid]
         self._unsettled.discard(slot)
+        for step_id, (refs, slots) in list(self._failed.items()):
+            self._failed[step_id] = refs, slots - {slot}
         log.info("reader slot %d reset: its process was replaced (%d refs forgiven)",
                  slot, forgiven)
 

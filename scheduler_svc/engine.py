@@ -516,11 +516,41 @@ class Engine:
             except Unavailable:
                 await asyncio.sleep(0.2)
                 continue
-            for rank in self.workers.replaced(before):
+            replaced = self.workers.replaced(before)
+            for rank in replaced:
                 self.ledger.reader_gone(rank)
+            await self._settle_unseen(replaced)
             log.info("workers are back; serving again")
             self._set_serving(True)
             return
+
+    async def _settle_unseen(self, replaced: list[int]) -> None:
+        """Settle the references in doubt now, not at the next step: an idle cell would
+        report them unacknowledged for as long as it stays idle (and the operator's
+        ReferencesLeaking fire). A step stream ended by a loss drops the steps its worker
+        had not read yet, so a live worker may never have seen some failed steps: each
+        worker that was not replaced is asked to acknowledge those on its own slot (it
+        skips the ones it saw), and its answer also says that every step it received is
+        done. With no step out, every slot is then quiescent. A worker that does not answer
+        leaves the doubt to the next step, as before (it settles what it can then)."""
+        assert self.ledger is not None
+        ranks = [r for r in range(len(self.workers.addresses)) if r not in replaced]
+        unseen = {rank: self.ledger.unseen(rank) for rank in ranks}
+        if not any(unseen.values()):
+            return
+        segment, generation = self._segment()
+        try:
+            # NOTE: a worker drops an Acknowledge whose deadline passed before it ran.
+            await asyncio.gather(*(
+                self.workers.acknowledge(rank, segment, generation, steps,
+                                         self.config.step_timeout_s)
+                for rank, steps in unseen.items()))
+        except Unavailable as exc:
+            log.warning("references in doubt wait for the next step: %s", exc)
+            return
+        self.ledger.settle()
+        if self._debug_invariants:
+            self.check_invariants()
 
     @property
     def steps_out(self) -> int:

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.errors import Unavailable, error_info
+from tandem.feature_codec import descriptor_to_proto
+from tandem.shm import ShmDescriptor
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -242,6 +244,21 @@ class WorkerPool:
             shm_acked=sum(r.shm_acked for r in ok),
             encoder_runs=ok[0].encoder_runs,
         )
+
+    async def acknowledge(self, rank: int, segment: str, generation: int,
+                          steps: list[tuple[int, list[ShmDescriptor]]],
+                          timeout: float) -> worker_pb2.AcknowledgeResponse:
+        """Ask worker ``rank`` to acknowledge, on its reader slot, the address items of
+        ``steps`` (id, descriptors) it never received (worker.proto, Acknowledge); with no
+        steps, wait until every step it received is done. Call with its stream ended."""
+        msg = worker_pb2.AcknowledgeRequest(segment_name=segment, segment_generation=generation)
+        for step_id, refs in steps:
+            msg.steps.add(step_id=step_id, items=[descriptor_to_proto(d) for d in refs])
+        try:
+            return await self._stubs[rank].Acknowledge(msg, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"worker {rank} did not acknowledge: {exc.code().name} "
+                              f"{exc.details()}") from exc
 
     def end_streams(self) -> None:
         """Cancel every step stream; the next step opens fresh ones. The engine calls it

@@ -76,14 +76,12 @@ class ShmReceiverCache:
         self._reader, self._name = reader, name
 
     def resolve(self, features: Sequence[MultiModalFeatureSpec], num_computed_tokens: int,
-                uses_mrope: bool, pending: Counter[int] | None = None,
-                read: bool = True) -> ResolvedFeatures:
+                uses_mrope: bool, pending: Counter[int] | None = None) -> ResolvedFeatures:
         """Read what the step needs of each address item; acknowledge nothing yet.
 
         ``pending`` (chunk address -> refs) carries the refs earlier calls for the same step
         will acknowledge, so a descriptor repeated within a step is refused, not double
-        counted; it is updated in place. ``read=False`` (a step that is not run) only checks
-        the address items: every data comes back None.
+        counted; it is updated in place.
         """
         pending = Counter() if pending is None else pending
         out, resolved, to_ack = [], 0, []
@@ -95,7 +93,7 @@ class ShmReceiverCache:
             covered = f.is_covered(num_computed_tokens)
             with reader.peek(f.data, pending[f.data.address]) as buf:
                 item = None
-                if read and (not covered or uses_mrope):  # M-RoPE needs the grid when covered
+                if not covered or uses_mrope:  # M-RoPE needs the grid when covered
                     item = item_from_buffer(buf, only_keep_on_cpu=covered, device=self.device)
             resolved += item is not None and not covered
             pending[f.data.address] += f.data.refs
@@ -110,6 +108,16 @@ class ShmReceiverCache:
             for desc in descriptors:
                 reader.ack(desc)
         return len(descriptors)
+
+    def acknowledge_unread(self, descriptors: Sequence[ShmDescriptor]) -> int:
+        """Acknowledge address items this worker will never read (a step it does not run,
+        or never received): each checked as a step's would be (one repeated beyond its
+        outstanding refs is refused), none read; all of them or none. Returns the count."""
+        pending: Counter[int] = Counter()  # chunk address -> refs acknowledged below
+        for desc in descriptors:
+            with self._require_reader(desc).peek(desc, pending[desc.address]):
+                pending[desc.address] += desc.refs
+        return self.acknowledge(descriptors)
 
     def _require_reader(self, desc: ShmDescriptor) -> ShmReader:
         if self._reader is None:

@@ -85,7 +85,7 @@ class StepRunner:
     @torch.inference_mode()
     def step(self, step: StepInput) -> StepOutput:
         try:
-            self._follow_segment(step)
+            self._follow_segment(step.segment_name, step.segment_generation)
             self._validate(step)
             new_states, resolved, to_ack = self._admit(step)
             self._check_encoder_payloads(step, new_states)
@@ -200,17 +200,17 @@ class StepRunner:
                                              f"{f.identifier} and none scheduled",
                                              reason="ENCODER_OUTPUT_MISSING")
 
-    def _follow_segment(self, step: StepInput) -> None:
+    def _follow_segment(self, name: str, generation: int) -> None:
         """Attach to the segment the step names; when that is a new generation of an
         attached segment, a new scheduler took over (the old one died): drop every request
         and encoder output the old one left here, as it will never finish or free them.
 
         The one change a rejected step can make, and only once the new segment was found
         with the step's generation (a forged step cannot trigger it)."""
-        if self.receiver is None or not step.segment_name:
+        if self.receiver is None or not name:
             return
         before = self.receiver.generation
-        self.receiver.ensure_segment(step.segment_name, step.segment_generation)
+        self.receiver.ensure_segment(name, generation)
         if before not in (0, self.receiver.generation):
             self.requests.clear()
             self.encoder_cache.free(list(self.encoder_cache.entries))
@@ -225,38 +225,45 @@ class StepRunner:
                 raise FailedPrecondition("address items received but this worker has no "
                                          "shared directory", reason="SHM_NOT_ATTACHED")
             self.receiver.ensure_segment(step.segment_name, step.segment_generation)
-        results = self._resolve(step, read=True)
+        results = self._resolve(step)
         states = {r.request_id: new_request_state(r, res.features, self.config)
                   for r, res in zip(step.new_requests, results, strict=True)}
         return (states, sum(res.resolved for res in results),
                 [desc for res in results for desc in res.to_ack])
 
-    def _resolve(self, step: StepInput, read: bool) -> list[ResolvedFeatures]:
-        """Each new request's features through the receiver cache, acknowledging nothing
-        (``read=False``: only check the address items)."""
+    def _resolve(self, step: StepInput) -> list[ResolvedFeatures]:
+        """Each new request's features through the receiver cache, acknowledging nothing."""
         if self.receiver is None:
             return [ResolvedFeatures(r.features, 0) for r in step.new_requests]
         pending: Counter[int] = Counter()  # chunk address -> refs this step will ack
         return [self.receiver.resolve(r.features, r.num_computed_tokens,
-                                      self.config.uses_mrope, pending, read)
+                                      self.config.uses_mrope, pending)
                 for r in step.new_requests]
 
     def skip(self, step: StepInput) -> int:
         """``step`` will not run here (the worker answers it ``not_run``, worker.proto):
-        acknowledge its address items as running it would have, reading none, and change
-        nothing else; returns the count.
+        acknowledge its address items as running it would have (:meth:`acknowledge_unseen`)
+        and change nothing else; returns the count.
 
         Why: the scheduler holds a step that failed on a slot in doubt (it may have run)
         and settles by reading the slot's counter, which only this reader may write. Left
-        unacknowledged, a live worker's not-run step pins its references for good. A step
-        whose address items fail the checks acknowledges none of them (raises). Runs on the
-        step thread in the step's turn, so settlement's ordering rule holds.
+        unacknowledged, a live worker's not-run step pins its references for good. Runs on
+        the step thread in the step's turn, so settlement's ordering rule holds.
         """
+        return self.acknowledge_unseen(step.segment_name, step.segment_generation, [
+            f.data for r in step.new_requests for f in r.features
+            if isinstance(f.data, ShmDescriptor)])
+
+    def acknowledge_unseen(self, segment_name: str, generation: int,
+                           descriptors: list[ShmDescriptor]) -> int:
+        """Acknowledge address items of steps that will never run here (a step not run, or
+        one that never reached this worker: worker.proto, Acknowledge), reading none:
+        checked as a step's would be, all of them or none (raises); returns the count.
+        Attaches to the segment the steps named, as a step would (``_follow_segment``)."""
         if self.receiver is None:
             return 0
-        self._follow_segment(step)
-        return self.receiver.acknowledge(
-            [desc for res in self._resolve(step, read=False) for desc in res.to_ack])
+        self._follow_segment(segment_name, generation)
+        return self.receiver.acknowledge_unread(descriptors)
 
     def _check_encoder_payloads(self, step: StepInput,
                                 new_states: dict[str, RequestState]) -> None:

@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tandem.errors import ResourceExhausted, TandemError, Unavailable, reported
+from tandem.feature_codec import descriptor_from_proto
 from tandem.grpc_server import GrpcServer
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
 from tandem.receiver_cache import ShmReceiverCache
@@ -46,7 +47,7 @@ MAX_SEND_BYTES = 16 << 20
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Describe, Step and Steps. A thin adapter over :class:`StepRunner`.
+    """Describe, Step, Steps and Acknowledge. A thin adapter over :class:`StepRunner`.
 
     Steps run one at a time on a single worker thread, so the event loop keeps answering
     health checks during a step. Errors are mapped to statuses by the server's
@@ -65,6 +66,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._step_calls = 0  # Step calls and Steps streams in flight
         self._no_step_calls = asyncio.Event()
         self._no_step_calls.set()
+        # (segment generation, step id) of the last step handled, written on the step
+        # thread only (one assignment: Describe reads it from the event loop).
+        self._last_step = (0, 0)
 
     def load(self) -> None:
         """Load the model, size the KV cache, warm up (runs on the step thread)."""
@@ -95,6 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         out = worker_pb2.DescribeResponse()
         out.CopyFrom(self.describe)
         out.segment_generation = self.runner.receiver.generation
+        out.last_step_generation, out.last_step_id = self._last_step
         return out
 
     async def Step(self, request: worker_pb2.StepRequest,
@@ -127,7 +132,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     except Exception as exc:  # answered in its turn, as the thread would
                         step = exc
                     queued.put_nowait((step_id, loop.run_in_executor(
-                        self.executor, self._stream_step, step_id, step, stream)))
+                        self.executor, self._stream_step, request.step.segment_generation,
+                        step_id, step, stream)))
             finally:
                 queued.put_nowait(None)
 
@@ -161,10 +167,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Returns once no Step call or Steps stream is in flight (no scheduler attached)."""
         await self._no_step_calls.wait()
 
-    def _stream_step(self, step_id: int, step: StepInput | Exception,
+    def _stream_step(self, generation: int, step_id: int, step: StepInput | Exception,
                      stream: _StreamState) -> StepOutput | worker_pb2.StepsResponse:
         """One step of a Steps stream, on the step thread: its output, or the answer that
         it failed (``step`` is the error when it could not be decoded) or did not run."""
+        self._last_step = (generation, step_id)  # taken up, whatever its outcome
         if stream.failed or stream.ended:
             if not isinstance(step, Exception):
                 self._skip(step)
@@ -193,6 +200,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.warning("step %d was not run and its address items were not acknowledged: "
                         "%s", step.step_id, exc)
 
+    async def Acknowledge(self, request: worker_pb2.AcknowledgeRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.AcknowledgeResponse:
+        """Acknowledge the address items of steps that never reached this worker
+        (worker.proto). Why wait for the step calls to end: a step of an ended stream
+        still queued here is handled (and acknowledged) in its turn; once no stream is
+        open none can be added, so the step thread, which runs this after them, knows
+        from :attr:`_last_step` which of the steps it was asked about it has seen."""
+        self._check_ready()
+        await self._no_step_calls.wait()  # the caller's deadline bounds the wait
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._acknowledge, request)
+
+    def _acknowledge(self, request: worker_pb2.AcknowledgeRequest
+                     ) -> worker_pb2.AcknowledgeResponse:
+        """On the step thread: acknowledge the steps after the last one handled."""
+        assert self.runner is not None
+        generation, last = self._last_step
+        if generation != request.segment_generation:
+            last = 0  # step ids restart with a new scheduler (and generation)
+        unseen = [s for s in request.steps if s.step_id > last]
+        acked = self.runner.acknowledge_unseen(
+            request.segment_name, request.segment_generation,
+            [descriptor_from_proto(a) for s in unseen for a in s.items])
+        if unseen:
+            last = max(s.step_id for s in unseen)
+            self._last_step = (request.segment_generation, last)
+            log.info("steps %s never reached this worker; their %d address items are "
+                     "acknowledged", [s.step_id for s in unseen], acked)
+        return worker_pb2.AcknowledgeResponse(acked=acked, last_step_id=last)
+
     def _check_ready(self) -> None:
         """Checked before a step is queued: the step thread is busy loading until then."""
         if not self.ready.is_set():
@@ -215,6 +252,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.on_group_lost()
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        self._last_step = (request.segment_generation, request.step_id)
         return step_output_to_proto(self._run_step(step_from_proto(request)))
 
     def _run_step(self, step: StepInput) -> StepOutput:

@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "model_config_json", "device", "dtype", "num_kv_blocks", "block_size", "rank", "world_size", "segment_generation")
+    __slots__ = ("model", "model_config_json", "device", "dtype", "num_kv_blocks", "block_size", "rank", "world_size", "segment_generation", "last_step_id", "last_step_generation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class DescribeResponse(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_GENERATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_config_json: str
     device: str
@@ -32,7 +34,35 @@ class DescribeResponse(_message.Message):
     rank: int
     world_size: int
     segment_generation: int
-    def __init__(self, model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., segment_generation: _Optional[int] = ...) -> None: ...
+    last_step_id: int
+    last_step_generation: int
+    def __init__(self, model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., segment_generation: _Optional[int] = ..., last_step_id: _Optional[int] = ..., last_step_generation: _Optional[int] = ...) -> None: ...
+
+class AcknowledgeRequest(_message.Message):
+    __slots__ = ("segment_name", "segment_generation", "steps")
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    segment_name: str
+    segment_generation: int
+    steps: _containers.RepeatedCompositeFieldContainer[UnseenStep]
+    def __init__(self, segment_name: _Optional[str] = ..., segment_generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[UnseenStep, _Mapping]]] = ...) -> None: ...
+
+class UnseenStep(_message.Message):
+    __slots__ = ("step_id", "items")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    items: _containers.RepeatedCompositeFieldContainer[ShmAddress]
+    def __init__(self, step_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ShmAddress, _Mapping]]] = ...) -> None: ...
+
+class AcknowledgeResponse(_message.Message):
+    __slots__ = ("acked", "last_step_id")
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    acked: int
+    last_step_id: int
+    def __init__(self, acked: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class FeatureField(_message.Message):
     __slots__ = ("name", "tensor", "keep_on_cpu")

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StepsResponse.FromString,
                 _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/tandem.v1.Worker/Acknowledge',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AcknowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -81,6 +86,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """Acknowledges, on this worker's reader slot, the address items of steps it never
+        received (a Steps stream ended before they reached it), as a step not run would:
+        nothing read, the same checks, all of them or none. Steps this worker handled
+        already (step id at most DescribeResponse.last_step_id of the same segment
+        generation) are left alone. Waits until no Step call or Steps stream is in flight
+        (the caller's deadline bounds the wait), then runs on the step thread, in turn: once
+        it answers, every step this worker received is done, so the slot's counter is final
+        for them (an empty request is that barrier alone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +117,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StepsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StepsResponse.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AcknowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +205,33 @@ class Worker:
             '/tandem.v1.Worker/Steps',
             tandem_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.StepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Acknowledge',
+            tandem_dot_v1_dot_worker__pb2.AcknowledgeRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AcknowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,
