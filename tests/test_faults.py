@@ -181,3 +181,36 @@ def test_sigterm_lets_a_running_stream_finish_within_the_grace(tmp_path: Path) -
             tokens += len(last.token_ids)
         assert tokens == 120 and last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert cell.proc.wait(30) == 0
+
+
+def test_steps_a_stopped_worker_never_read_settle_while_the_cell_is_idle(
+        tmp_path: Path) -> None:
+    """Two replica workers (a reader slot each); worker 0 is stopped (SIGSTOP) before a
+    request with images. Its step times out, the scheduler counts it lost and ends the
+    step streams while the steps still sit unread in the stopped worker's socket, so that
+    worker never sees them; worker 1 ran them and acknowledged. After SIGCONT the cell
+    serves again and, with no further traffic, the references must settle: worker 0
+    acknowledges on its own slot the steps it never received (worker.proto, Acknowledge).
+    Before, they stayed unacknowledged for as long as the cell stayed idle, and the
+    operator's ReferencesLeaking fired on a healthy cell (issue 22, item 5)."""
+    with running_cell(tmp_path, "--workers", "2", "--step-timeout", "1.5",
+                      "--log-level", "INFO") as cell:
+        msg = request("Look at <image> and <image> then tell", [png(21), png(22)],
+                      max_tokens=8)
+        stopped = cell.worker_pids()[0]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                cell.stream(msg)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert cell.stats().shm_unacked_refs > 0  # the stopped slot's, in doubt
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        _wait_health(cell, SERVING, 30.0)
+        deadline = time.monotonic() + 10.0
+        while (unacked := cell.stats().shm_unacked_refs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert unacked == 0, "an idle cell still reports unacknowledged references"
+        assert cell.worker_pids()[0] == stopped  # the same, live worker: no slot reset
+        assert len(cell.stream(msg)[0]) == 8
+        _assert_clean(cell)
