@@ -20,8 +20,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from scheduler_svc.admission import Admission
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.delivery import DeliveryLedger, LedgerStats
 from scheduler_svc.encoder_cache import EncoderCacheManager
@@ -41,7 +42,6 @@ from scheduler_svc.step_message import build_step_request
 from scheduler_svc.worker_client import SentStep, StepFailed, WorkerPool
 from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
-from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.reuse_curve import ReuseCurve, capacities_around
 from tandem.shm import ShmError
@@ -49,6 +49,7 @@ from tandem.text import ChatMessage, HFTokenizer, TextPart, Tokenizer, load_toke
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DESCRIBE_TIMEOUT_S = 30.0
 _RECONNECT_TIMEOUT_S = 2.0
@@ -141,6 +142,9 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
         self.ledger: DeliveryLedger | None = None
+        self.admission = Admission(
+            config.max_waiting_requests, config.max_waiting_image_bytes,
+            lambda: self.scheduler.waiting if self.scheduler is not None else ())
 
     async def start(self) -> None:
         """Describe the workers, size the caches from them, start the loop."""
@@ -183,12 +187,7 @@ class Engine:
         """
         if not self.serving or self.inputs is None or self.ledger is None:
             raise Unavailable("the cell is not serving: its workers are not ready")
-        request = self.inputs.to_request(msg, trace)
-        try:
-            await self.ledger.acquire(request)
-        except ShmError as exc:  # the store refused the ledger: our bug, not the input
-            log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
-            raise _internal() from exc
+        request = await self._admit(msg, trace)
         if not self.serving or self.scheduler is None:  # lost meanwhile; others failed too
             self.ledger.release(request)
             raise Unavailable("the cell is not serving: its workers are not ready")
@@ -212,6 +211,23 @@ class Engine:
             if not request.is_finished:
                 self.abort(request)
 
+    async def _admit(self, msg: generate_pb2.GenerateRequest,
+                     trace: RequestTrace | None) -> Request:
+        """``msg`` as a Request holding its images, within the admission bound (checked
+        before its images are looked at, then with their size before any is acquired).
+        Refused or failed, it holds nothing. It counts as arriving until this returns, and
+        the caller queues it before its next await: no other request sees it uncounted."""
+        assert self.inputs is not None and self.ledger is not None
+        with self.admission.arrival() as arrival:
+            request = await self.inputs.to_request(msg, self._offload, trace)
+            arrival.hold(request.image_bytes)
+            try:
+                await self.ledger.acquire(request)
+            except ShmError as exc:  # the store refused the ledger: our bug, not the input
+                log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
+                raise _internal() from exc
+        return request
+
     def abort(self, request: Request, reason: int = generate_pb2.FINISH_REASON_ABORT) -> None:
         """Stop a request: blocks, encoder entries and the references it holds freed."""
         assert self.scheduler is not None and self.ledger is not None
@@ -233,7 +249,8 @@ class Engine:
         if not request.is_finished:
             self._fail([request], _internal())
 
-    async def _offload(self, fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:
+    async def _offload(self, fn: Callable[[], T]) -> T:
+        """Run CPU-heavy image work (checks, hashing, decoding) in the image threads."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def _run(self) -> None:

@@ -104,6 +104,7 @@ class Request:
     cache_salt: str = field(repr=False)
     text: OutputText = field(repr=False)
     media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
+    image_bytes: int = 0  # the client's data of ``media`` (what admission bounds)
     mm_cache_hits: int = 0
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens scheduled so far: advanced when scheduled

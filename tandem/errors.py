@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from tandem.shm import errors as shm_errors
@@ -97,6 +97,9 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _HTTP_INTERNAL = (500, "internal_server_error")  # INTERNAL, UNKNOWN, DATA_LOSS
+# How long a client is asked to wait before retrying a RESOURCE_EXHAUSTED answer (a full
+# queue or segment drains as requests finish): HTTP ``Retry-After``, gRPC ``RetryInfo``.
+RETRY_AFTER_S = 1
 
 
 def classify(exc: BaseException) -> TandemError:
@@ -133,15 +136,24 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
                               "code": err.reason.lower()}}
 
 
+def http_headers(status: int) -> dict[str, str]:
+    """The headers of an error answer with HTTP ``status``: ``Retry-After`` on 429."""
+    return {"retry-after": str(RETRY_AFTER_S)} if status == 429 else {}
+
+
 def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tuple:
-    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail."""
-    info = error_details_pb2.ErrorInfo(
-        reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata or {}
-    )
-    detail = any_pb2.Any()
-    detail.Pack(info)
+    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail (and
+    a ``RetryInfo`` one for RESOURCE_EXHAUSTED)."""
+    infos: list[Any] = [error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata or {})]
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        infos.append(error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=RETRY_AFTER_S)))
+    details = [any_pb2.Any() for _ in infos]
+    for detail, info in zip(details, infos, strict=True):
+        detail.Pack(info)
     status = status_pb2.Status(
-        code=getattr(code_pb2, err.code.name), message=err.message, details=[detail]
+        code=getattr(code_pb2, err.code.name), message=err.message, details=details
     )
     return (("grpc-status-details-bin", status.SerializeToString()),)
 
