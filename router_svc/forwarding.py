@@ -15,7 +15,7 @@ Used by the router's gRPC servicer and its HTTP backend; errors come out as the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from opentelemetry import context as otel_context
@@ -41,12 +41,15 @@ class _TryNextCell(Exception):
 
 
 class Forwarder:
-    """Routes requests over ``pool``'s cells (``block_size``: the cells' KV block size)."""
+    """Routes requests over ``pool``'s cells (``block_size``: the cells' KV block size;
+    ``served_model_names``: the model's names in the router's answers, empty = the cells')."""
 
-    def __init__(self, pool: CellPool, block_size: int) -> None:
+    def __init__(self, pool: CellPool, block_size: int,
+                 served_model_names: Sequence[str] = ()) -> None:
         self.pool = pool
         self.balancer = pool.balancer
         self.block_size = block_size
+        self.served_model_names = tuple(served_model_names)
 
     async def generate(self, request: generate_pb2.GenerateRequest,
                        parent: otel_context.Context, timeout: float | None = None,
@@ -107,5 +110,9 @@ class Forwarder:
                     generate_pb2.GetModelInfoRequest(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 continue
+            if self.served_model_names:
+                info.model_id = self.served_model_names[0]
+                del info.served_model_names[:]
+                info.served_model_names.extend(self.served_model_names)
             return info, cell
         raise Unavailable("no cell answered GetModelInfo")

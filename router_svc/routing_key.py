@@ -60,7 +60,10 @@ def image_identity(item: generate_pb2.MediaItem) -> tuple[bytes, ...]:
 
 def first_block(request: generate_pb2.GenerateRequest, block_size: int) -> bytes:
     """The first ``block_size`` bytes of the request's text (all of it when shorter, so that
-    the key is still stable)."""
+    the key is still stable); for a prompt given as token ids, its first block of ids."""
+    if request.prompt_token_ids:
+        return b"ids\0" + b"".join(t.to_bytes(4, "little")
+                                   for t in request.prompt_token_ids[:block_size])
     if not request.messages:
         return request.prompt.encode()[:block_size]
     text = bytearray()

@@ -20,12 +20,12 @@ from router_svc.servicer import RouterServicer
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
 from tandem.openai_api.http_server import HttpConfig, HttpServer
+from tandem.request_limits import max_http_body_bytes
+from tandem.shutdown import DEFAULT_GRACE_S
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,13 @@ class RouterConfig:
     block_size: int = 16
     health_interval: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # running streams may finish (tandem.shutdown)
     tls: TlsFiles = field(default_factory=TlsFiles)
     cell_tls: TlsFiles = field(default_factory=TlsFiles)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
+    # The model's names in the router's answers (--served-model-name); empty = the cells'.
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -63,7 +66,7 @@ class RouterServer:
     def balancer(self) -> Balancer:
         return self.pool.balancer
 
-    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+    async def stop(self, grace: float) -> None:
         """Health NOT_SERVING -> refuse new calls, let in-flight streams finish (up to
         ``grace``; the rest are cancelled, which cancels them on their cells) -> stop
         polling and close the cell channels. The HTTP port drains alongside."""
@@ -92,16 +95,17 @@ async def create_router(config: RouterConfig) -> RouterServer:
         asyncio.get_running_loop().create_task(publish())
 
     pool = CellPool(balancer, config.health_interval, on_change, cell_credentials)
-    generate_pb2_grpc.add_GenerationServicer_to_server(
-        RouterServicer(pool, config.block_size), public.server)
+    forwarder = Forwarder(pool, config.block_size, config.served_model_names)
+    generate_pb2_grpc.add_GenerationServicer_to_server(RouterServicer(pool, forwarder),
+                                                       public.server)
     port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
     await pool.start()
     await publish()
     http = None
     if config.http.listen:
         try:
-            http = await HttpServer.start(RouterBackend(Forwarder(pool, config.block_size)),
-                                          config.http, config.tls)
+            http = await HttpServer.start(RouterBackend(forwarder), config.http, config.tls,
+                                          max_http_body_bytes(MAX_MESSAGE_BYTES))
         except BaseException:
             await public.stop(0)
             await pool.close()
@@ -129,5 +133,5 @@ async def serve(config: RouterConfig) -> None:
     print(f"tandem router listening on {config.listen} over {len(config.cells)} cells "
           f"(pid {os.getpid()})", flush=True)
     await stop.wait()
-    log.info("shutting down")
-    await running.stop()
+    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
+    await running.stop(config.shutdown_grace_s)

@@ -32,10 +32,10 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     """Routes Generate by cache affinity, sums CacheStats over the cells, and answers
     GetModelInfo from one of them."""
 
-    def __init__(self, pool: CellPool, block_size: int) -> None:
+    def __init__(self, pool: CellPool, forwarder: Forwarder) -> None:
         self.pool = pool
         self.balancer: Balancer = pool.balancer
-        self.forwarder = Forwarder(pool, block_size)
+        self.forwarder = forwarder
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext

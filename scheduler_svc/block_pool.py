@@ -244,19 +244,6 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix; refused (False) while any block is referenced.
-
-        Running requests' blocks may hold hashes that their managers count as cached, so
-        the map can only be dropped when nothing runs.
-        """
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block in self._cached.values():
-            block.reset_hash()
-        self._cached.clear()
-        return True
-
     def check_invariants(self) -> None:
         self.free_queue.check_invariants()
         free_ids = {b.block_id for b in self.free_queue.get_all_free_blocks()}

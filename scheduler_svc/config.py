@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler_svc.image_processor import ImageProcessorConfig
 from tandem.openai_api.http_server import HttpConfig
+from tandem.shutdown import DEFAULT_GRACE_S
 from tandem.tls import TlsFiles
 
 
@@ -24,6 +25,9 @@ class Limits:
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str = "tiny"
+    # The model's names in the APIs (--served-model-name): the first is reported, any is
+    # accepted; empty = ``model`` itself.
+    served_model_names: tuple[str, ...] = ()
     listen: str = "localhost:50051"
     shm_dir: str = ""
     mm_cache: str = "shm"  # shm | lru | none
@@ -50,6 +54,7 @@ class SchedulerConfig:
     # scheduling"); off: one step at a time.
     async_scheduling: bool = True
     metrics_port: int = 0
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # running streams may finish (tandem.shutdown)
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)
     http: HttpConfig = field(default_factory=HttpConfig)  # OpenAI-compatible port (TLS: tls)
@@ -63,6 +68,10 @@ class SchedulerConfig:
             raise ValueError(f"--max-waiting-requests must be at least 1 and "
                              f"--max-waiting-image-bytes not negative, got "
                              f"{self.max_waiting_requests} and {self.max_waiting_image_bytes}")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
 
     @property
     def num_workers(self) -> int:

@@ -13,6 +13,7 @@ references of every request belong to the delivery ledger (:mod:`scheduler_svc.d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -53,6 +54,11 @@ T = TypeVar("T")
 
 _DESCRIBE_TIMEOUT_S = 30.0
 _RECONNECT_TIMEOUT_S = 2.0
+# How long a request waits for a live request holding its id to end before it is refused
+# as a duplicate. The usual live holder is a stream its client just cancelled to retry
+# with the same id (a proxy keeping x-request-id): its cancellation reaches the engine
+# through another connection and may come a moment after the retry.
+_REUSED_ID_GRACE_S = 2.0
 # NOTE: the scheduler knows no memory bound for its recommendation; the operator caps it
 # by the node's (docs/cache-sizing.md). Any bound here would only hide the curve's answer.
 _UNBOUNDED_BYTES = 1 << 62
@@ -121,6 +127,7 @@ class Engine:
         # until the next one is on its way (see _send); every path that does not start a
         # step hands them over first.
         self._undelivered: list[tuple[Request, StepOutput]] = []
+        self._ids_changed = asyncio.Event()  # set (and replaced) by _id_released
         self._failed_since_success = False  # an unexpected error, and no step succeeded since
         self._broken = False  # NOT_SERVING for good: the loop could not go on
         self.errors = 0  # unexpected errors the loop caught
@@ -136,6 +143,8 @@ class Engine:
         # The scheduler's own model files, read before waiting for any worker, so a bad
         # tokenizer or chat template fails the start at once and by name.
         self.tokenizer = load_tokenizer(config.model)
+        # Asked once: model_info runs on every HTTP request, and asking renders a template.
+        self._has_chat_template = _has_chat_template(self.tokenizer)
         self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
                         if isinstance(self.tokenizer, HFTokenizer)
                         and self.tokenizer.image is not None else None)
@@ -188,13 +197,7 @@ class Engine:
         if not self.serving or self.inputs is None or self.ledger is None:
             raise Unavailable("the cell is not serving: its workers are not ready")
         request = await self._admit(msg, trace)
-        if not self.serving or self.scheduler is None:  # lost meanwhile; others failed too
-            self.ledger.release(request)
-            raise Unavailable("the cell is not serving: its workers are not ready")
-        if request.request_id in self.scheduler.requests:
-            self.ledger.release(request)
-            raise InvalidInput(f"request_id {request.request_id!r} is already in use",
-                               "DUPLICATE_REQUEST_ID")
+        assert self.scheduler is not None  # _claim returns only while serving
         self.scheduler.add_request(request)
         if trace is not None:
             trace.event("queued", {"waiting": len(self.scheduler.waiting)})
@@ -213,10 +216,11 @@ class Engine:
 
     async def _admit(self, msg: generate_pb2.GenerateRequest,
                      trace: RequestTrace | None) -> Request:
-        """``msg`` as a Request holding its images, within the admission bound (checked
-        before its images are looked at, then with their size before any is acquired).
-        Refused or failed, it holds nothing. It counts as arriving until this returns, and
-        the caller queues it before its next await: no other request sees it uncounted."""
+        """``msg`` as a Request holding its images and its id (:meth:`_claim`), within the
+        admission bound (checked before its images are looked at, then with their size
+        before any is acquired). Refused or failed, it holds nothing. It counts as arriving
+        until this returns (waiting for its id included), and the caller queues it before
+        its next await: no other request ever sees it uncounted."""
         assert self.inputs is not None and self.ledger is not None
         with self.admission.arrival() as arrival:
             request = await self.inputs.to_request(msg, self._offload, trace)
@@ -226,13 +230,53 @@ class Engine:
             except ShmError as exc:  # the store refused the ledger: our bug, not the input
                 log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
                 raise _internal() from exc
+            try:
+                await self._claim(request.request_id)
+            except BaseException:
+                self.ledger.release(request)
+                raise
         return request
+
+    async def _claim(self, request_id: str) -> None:
+        """Return once ``request_id`` may be given to a new request, and the cell serves.
+
+        An id is free when no live request holds it and no step out carries an earlier
+        holder: results are matched to the request a step carried (the scheduler's
+        rule), and this keeps an id to one request across every step out besides, so the
+        workers, which key requests by id, see the earlier holder's release (it travels
+        with the next step, before anything that step admits) ahead of the new one.
+        Steps out drain within a step or two (or are abandoned with a lost worker); a
+        live holder still there after :data:`_REUSED_ID_GRACE_S` is a concurrent
+        duplicate, refused with DUPLICATE_REQUEST_ID.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _REUSED_ID_GRACE_S
+        while True:
+            if not self.serving or self.scheduler is None:  # lost meanwhile
+                raise Unavailable("the cell is not serving: its workers are not ready")
+            live = request_id in self.scheduler.requests
+            if not live and not any(request_id in step.out.num_scheduled_tokens
+                                    for step in self._out):
+                return
+            left = deadline - loop.time()
+            if live and left <= 0:
+                raise InvalidInput(f"request_id {request_id!r} is in use by a request that "
+                                   "is still running", "DUPLICATE_REQUEST_ID")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ids_changed.wait(), left if live else None)
+
+    def _id_released(self) -> None:
+        """Wake the requests waiting in :meth:`_claim`: a request ended, a step out was
+        applied or abandoned, or serving changed."""
+        self._ids_changed.set()
+        self._ids_changed = asyncio.Event()
 
     def abort(self, request: Request, reason: int = generate_pb2.FINISH_REASON_ABORT) -> None:
         """Stop a request: blocks, encoder entries and the references it holds freed."""
         assert self.scheduler is not None and self.ledger is not None
         self.ledger.release(request)
         self.scheduler.finish(request, reason)
+        self._id_released()
         self._wake.set()
 
     def _fail(self, requests: Sequence[Request], error: BaseException) -> None:
@@ -259,8 +303,6 @@ class Engine:
             try:
                 await self._iterate()
             except Exception:
-                self._abandon()
-                self._deliver()
                 self.errors += 1
                 log.exception("unexpected error in the engine loop: failing every request")
                 if not self._recover():
@@ -276,9 +318,8 @@ class Engine:
                 self._lose_workers(ranks, "health stream ended", self._abandon())
         if (self.serving and self.scheduler.has_work and len(self._out) < self._depth):
             out = self.scheduler.schedule()
-            for rid in out.preempted_request_ids:
-                request = self.scheduler.requests.get(rid)
-                if request is not None:  # else it ended since it was preempted
+            for request in out.preempted:
+                if not request.is_finished:  # else it ended since it was preempted
                     self.ledger.redeliver(request)
             if not out.is_empty:
                 await self._send(out)
@@ -306,13 +347,12 @@ class Engine:
         msg, stripped = build_step_request(out, step_id, segment, generation,
                                            self.model.uses_mrope)
         if tracing.enabled():
-            msg.trace_context.update(step_trace_context(out, stripped, self.scheduler.requests,
-                                                        self.config.block_size))
+            msg.trace_context.update(step_trace_context(out, stripped, self.config.block_size))
         self.ledger.sent(step_id, [new.request for new in out.new_requests])
         try:
             sent = await self.workers.send(msg)
-        except BaseException:  # outcome unknown on every worker
-            self.ledger.step_done(step_id, range(len(self.workers.addresses)))
+        except BaseException:  # written to some workers or none: abandoned with the others
+            self._out.append(_Out(out, SentStep(step_id, [])))
             raise
         self._out.append(_Out(out, sent))
         self._deliver()
@@ -325,15 +365,14 @@ class Engine:
             result = await self.workers.result(step.sent, self.config.step_timeout_s)
         except StepFailed as exc:
             self._out.popleft()
+            self._id_released()
             self.ledger.step_done(step.sent.step_id, exc.ranks)
             await self._step_failed(step, exc)
             if self._debug_invariants:  # a failed step too: its references are in doubt
                 self.check_invariants()
             return
-        except BaseException:  # outcome unknown on every worker
-            self._abandon()
-            raise
         self._out.popleft()
+        self._id_released()
         self.ledger.step_done(step.sent.step_id)
         for request, output in self.scheduler.update(step.out, result.sampled,
                                                      result.logprobs):
@@ -349,7 +388,7 @@ class Engine:
 
     def _abandon(self) -> list[SchedulerOutput]:
         """Give up on every step out (a worker is lost, or the loop failed): their outcome
-        is unknown on every worker. Returns them, oldest first."""
+        is unknown on every worker. Returns them, oldest first, for :meth:`_reset`."""
         assert self.ledger is not None
         every = range(len(self.workers.addresses))
         outs = []
@@ -358,6 +397,7 @@ class Engine:
             self.ledger.step_done(step.sent.step_id, every)
             outs.append(step.out)
         self.workers.end_streams()
+        self._id_released()
         return outs
 
     def _deliver(self) -> None:
@@ -438,32 +478,40 @@ class Engine:
         No reader slot is touched: a worker that timed out may still be running the step
         (the ledger holds its references in doubt); a replaced one is reset on reconnect.
         """
-        assert self.scheduler is not None
         log.error("worker lost (%s): failing in-flight requests", why)
         self._losses += 1
         self._set_serving(False)
-        self._fail(list(self.scheduler.requests.values()),
-                   Unavailable(f"worker {ranks[0]} failed; retry the request"))
+        self._reset(outs, Unavailable(f"worker {ranks[0]} failed; retry the request"))
+        self._spawn(self._reconnect(), "worker-reconnect")
+
+    def _reset(self, abandoned: Sequence[SchedulerOutput], error: TandemError) -> None:
+        """Fail every request with ``error`` and start the bookkeeping afresh: the one path
+        after a lost worker and after an unexpected error.
+
+        The workers (the surviving ones) may still hold what the old bookkeeping knew of,
+        so the next step tells them to drop it: every request and encoder output it had,
+        and the releases the ``abandoned`` steps carried (finished and preempted ids,
+        evicted encoder outputs), which may not have reached them.
+        """
+        assert self.scheduler is not None
+        self._deliver()  # what was applied before goes first
+        self._fail(list(self.scheduler.requests.values()), error)
         request_ids, mm_hashes = self.scheduler.leftovers()
-        for out in outs:  # the failed steps' releases may not have reached the workers
+        for out in abandoned:
             request_ids += out.finished_request_ids + out.preempted_request_ids
             mm_hashes += out.free_encoder_mm_hashes
         self._reset_state()
-        self.scheduler.release_on_workers(request_ids, mm_hashes)  # for surviving workers
-        self._spawn(self._reconnect(), "worker-reconnect")
+        self.scheduler.release_on_workers(request_ids, mm_hashes)
 
     def _recover(self) -> bool:
-        """After an unexpected error: fail every request and reset the bookkeeping. False
-        when the cell cannot go on: the reset failed, or the error came again before any
-        step succeeded since the last one (the scheduler must be restarted)."""
+        """After an unexpected error: abandon the steps out, fail every request and reset
+        the bookkeeping. False when the cell cannot go on: the reset failed, or the error
+        came again before any step succeeded since the last one (the scheduler must be
+        restarted)."""
         again = self._failed_since_success
         self._failed_since_success = True
         try:
-            assert self.scheduler is not None
-            self._fail(list(self.scheduler.requests.values()), _internal())
-            request_ids, mm_hashes = self.scheduler.leftovers()
-            self._reset_state()
-            self.scheduler.release_on_workers(request_ids, mm_hashes)
+            self._reset(self._abandon(), _internal())
         except Exception:
             log.exception("resetting the engine after the error failed")
             again = True
@@ -504,6 +552,7 @@ class Engine:
     def _set_serving(self, serving: bool) -> None:
         serving = serving and not self._broken
         self.serving = serving
+        self._id_released()
         if self._on_serving is not None:
             self._spawn(self._on_serving(serving), "health-update")
         if serving:
@@ -563,12 +612,13 @@ class Engine:
             raise Unavailable("the cell is not serving: its workers are not ready")
         c, lim, m = self.config, self.config.limits, self.model
         msg = generate_pb2.GetModelInfoResponse(
-            model_id=c.model, model_type=m.model_type,
+            model_id=c.model_names[0], served_model_names=c.model_names,
+            model_type=m.model_type,
             max_context_length=self.inputs.max_model_tokens,
             max_prompt_tokens=lim.max_prompt_tokens, max_output_tokens=lim.max_tokens,
             default_max_tokens=lim.default_max_tokens, vocab_size=m.vocab_size,
             eos_token_ids=sorted(self.tokenizer.special.eos_ids),
-            has_chat_template=_has_chat_template(self.tokenizer),
+            has_chat_template=self._has_chat_template,
             mm_cache_type=self.cache.kind, prefix_caching=c.enable_prefix_caching)
         if m.image_token_id is not None:
             images = self.inputs.images

@@ -1,10 +1,10 @@
 """GenerateRequest -> Request: validate, render, tokenize; how images are turned into items.
 
-A request is a plain ``prompt`` (tokenized as is, images at the model's placeholders) or
-chat ``messages`` (rendered with the model's chat template, images where their content
-parts stand). The checks run in the order a user fixes things (prompt, images, sampling),
-each failing
-with :class:`~tandem.errors.InvalidInput` and a message naming the limit. The token count
+A request is a plain ``prompt`` (tokenized as is, images at the model's placeholders), its
+token ids (``prompt_token_ids``, used as they are), or chat ``messages`` (rendered with
+the model's chat template, images where their content parts stand). The checks run in
+the order a user fixes things (prompt, images, sampling), each failing with
+:class:`~tandem.errors.InvalidInput` and a message naming the limit. The token count
 of an image comes from its header alone, so a processor-cache hit costs no decoding: the
 delivery ledger (:mod:`scheduler_svc.delivery`) calls :meth:`InputProcessor.process` only
 on a miss.
@@ -45,6 +45,7 @@ from tandem.features import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from tandem.request_limits import check_image_count
 from tandem.sampling import BAD_SAMPLING, check_min_tokens, check_sampling, check_stop_strings
 from tandem.text import (
     ChatMessage,
@@ -152,23 +153,27 @@ class InputProcessor:
     def _prompt(self, msg: generate_pb2.GenerateRequest,
                 ) -> tuple[list[int], list[generate_pb2.MediaItem]]:
         """The prompt's token ids (image placeholders not yet expanded) and its images."""
-        if msg.prompt and msg.messages:
-            raise InvalidInput("the request sets both prompt and messages; send one of them",
-                               "PROMPT_AND_MESSAGES")
+        if sum(map(bool, (msg.prompt, msg.prompt_token_ids, msg.messages))) > 1:
+            raise InvalidInput("the request sets more than one of prompt, prompt_token_ids "
+                               "and messages; send one of them", "PROMPT_AND_MESSAGES")
         if msg.messages:
             if msg.images:
                 raise InvalidInput("with messages, images go in the messages' content parts, "
                                    "not in images", "IMAGES_OUTSIDE_MESSAGES")
             messages, media = _chat(msg.messages)
-        elif msg.prompt:
+        elif msg.prompt or msg.prompt_token_ids:
             media = list(msg.images)
         else:
             raise InvalidInput("the request has neither a prompt nor messages", "EMPTY_PROMPT")
-        if len(media) > self.limits.max_images:
-            raise InvalidInput(f"{len(media)} images; the limit is "
-                               f"{self.limits.max_images} per request", "TOO_MANY_IMAGES")
+        check_image_count(len(media), self.limits.max_images)
         if msg.messages:
             return encode_chat(self.tokenizer, messages), media
+        if msg.prompt_token_ids:
+            bad = sorted({t for t in msg.prompt_token_ids if t >= self.vocab_size})
+            if bad:
+                raise InvalidInput(f"prompt_token_ids {bad[:8]} are outside the vocabulary of "
+                                   f"{self.vocab_size}", "BAD_TOKEN_ID")
+            return list(msg.prompt_token_ids), media
         return self.tokenizer.encode(msg.prompt), media
 
     def _images(self, media: Sequence[generate_pb2.MediaItem], salt: str) -> list[_Image]:

@@ -10,21 +10,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KVCacheBlock
 from scheduler_svc.prefix_hash import HASH_SEED, BlockHash
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since start, in prompt tokens (one query per lookup)."""
-
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -50,7 +40,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        self.stats = PrefixCacheStats()
         if enable_caching:
             log.info(
                 "prefix caching on: sha256 block hashes seeded with %r, %d tokens per block",
@@ -76,14 +65,6 @@ class KVCacheManager:
         """Blocks holding a prefix hash, referenced or free (revivable)."""
         return self.pool.num_cached_blocks
 
-    @property
-    def prefix_cache_query_tokens(self) -> int:
-        return self.stats.query_tokens
-
-    @property
-    def prefix_cache_hit_tokens(self) -> int:
-        return self.stats.hit_tokens
-
     def get_computed_blocks(
         self, request_hashes: Sequence[BlockHash], num_tokens: int
     ) -> tuple[list[KVCacheBlock], int]:
@@ -95,8 +76,9 @@ class KVCacheManager:
         whose span ends in the last block is never covered.
 
         The blocks are not referenced yet: pass them to :meth:`allocate_slots` in the same
-        scheduling step, before anything else allocates. Each call counts as one query in
-        the prefix-cache counters (a request that has to wait is queried again).
+        scheduling step, before anything else allocates. Hits are counted once per request,
+        when it is admitted (``SchedulerCounters``), not here: a request that has to wait is
+        looked up again every step.
         """
         if not self.enable_caching:
             return [], 0
@@ -107,11 +89,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += 1
-        self.stats.query_tokens += num_tokens
-        self.stats.hit_tokens += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
 
     def allocate_slots(
         self,
@@ -197,10 +175,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets all cached prefixes; False (nothing changed) while requests hold blocks."""
-        return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

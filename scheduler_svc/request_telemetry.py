@@ -24,15 +24,14 @@ from tandem.v1 import generate_pb2
 
 
 def step_trace_context(out: SchedulerOutput, stripped: Mapping[str, Stripped],
-                       requests: Mapping[str, Request], block_size: int) -> dict[str, str]:
+                       block_size: int) -> dict[str, str]:
     """Record the step's scheduling events; request_id -> traceparent of its requests.
 
     ``stripped`` is the step builder's report per new request.
     """
-    for request_id in out.preempted_request_ids:
-        trace = requests[request_id].trace
-        if trace is not None:
-            trace.event("preempted", {"preemptions": requests[request_id].preemptions})
+    for preempted in out.preempted:
+        if preempted.trace is not None:
+            preempted.trace.event("preempted", {"preemptions": preempted.preemptions})
     for new in out.new_requests:
         request = new.request
         if request.trace is None:
@@ -47,8 +46,8 @@ def step_trace_context(out: SchedulerOutput, stripped: Mapping[str, Stripped],
         if s.covered:
             request.trace.event("stripped", {"items": s.dropped, "covered": s.covered,
                                              "by_reference": s.covered - s.dropped})
-    return {rid: t.traceparent for rid in out.num_scheduled_tokens
-            if (t := requests[rid].trace) is not None}
+    return {r.request_id: r.trace.traceparent for r, _ in out.scheduled()
+            if r.trace is not None}
 
 
 def usage_attributes(request: Request, model: str) -> dict[str, AttributeValue]:

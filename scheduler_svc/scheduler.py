@@ -19,6 +19,12 @@ computed past its end is dropped), and a request whose placeholders already reac
 ``max_tokens`` is not scheduled again. Applying results in step order is enough for
 every rule here as long as at most two steps are out at once (the engine's depth): a
 request preempted while a step is out is admitted again only after that step's results.
+
+A step's results are matched to the request *objects* it carried, never looked up by id:
+an id names a request for the client and the workers, but the request that held it may
+have ended while the step ran, and another may hold it by the time the results are
+applied (the engine admits a reused id only once no step out carries the earlier one,
+see ``Engine.generate``; this rule does not depend on that).
 """
 
 from __future__ import annotations
@@ -68,9 +74,13 @@ class NewRequestData:
 class CachedRequestData:
     """A request the workers already hold: only what changed."""
 
-    request_id: str
+    request: Request
     new_block_ids: list[int]  # blocks appended to its table this step
     num_computed_tokens: int  # before this step (the workers check it equals theirs)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(slots=True)
@@ -94,8 +104,9 @@ class SchedulerOutput:
     # requests that finished, were aborted or failed since the last step (or that the
     # workers may still hold after a worker loss): gone for good, workers drop their state
     finished_request_ids: list[str] = field(default_factory=list)
-    # requests preempted in this step: back in the waiting queue, workers drop their state
-    preempted_request_ids: list[str] = field(default_factory=list)
+    # requests preempted in this step (or between steps): back in the waiting queue, workers
+    # drop their state
+    preempted: list[Request] = field(default_factory=list)
     # encoder outputs this step allocated (the workers compute them in it)
     allocated_mm_hashes: list[str] = field(default_factory=list)
 
@@ -106,12 +117,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.num_scheduled_tokens or self.finished_request_ids
-                    or self.preempted_request_ids or self.free_encoder_mm_hashes)
+                    or self.preempted or self.free_encoder_mm_hashes)
+
+    @property
+    def preempted_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.preempted]
 
     @property
     def scheduled_request_ids(self) -> list[str]:
-        return [n.request.request_id for n in self.new_requests] + [
-            c.request_id for c in self.cached_requests]
+        return [r.request_id for r, _ in self.scheduled()]
+
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, tokens computed before this step) of every request the step runs:
+        the objects it carried, whatever holds their ids now."""
+        return [(c.request, c.num_computed_tokens) for c in self.cached_requests] + [
+            (n.request, n.num_computed_tokens) for n in self.new_requests]
 
     def validate(self) -> None:
         ids = self.scheduled_request_ids
@@ -143,21 +163,20 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next step
-        self._preempted_ids: list[str] = []  # preempted between steps, likewise
+        self._preempted: list[Request] = []  # preempted between steps, likewise
         self._orphan_mm_hashes: list[str] = []  # encoder outputs of a predecessor, to drop
         self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids
-                    or self._preempted_ids or self._orphan_mm_hashes)
+                    or self._preempted or self._orphan_mm_hashes)
 
     def leftovers(self) -> tuple[list[str], list[str]]:
         """(request ids, mm hashes) the workers may still hold for this scheduler: what a
         successor must release after a worker failure (the surviving workers keep them)."""
-        return ([r.request_id for r in self.running] + self._finished_ids
-                + self._preempted_ids,
-                self.encoder.mm_hashes)
+        return ([r.request_id for r in self.running + self._preempted] + self._finished_ids,
+                self.encoder.mm_hashes + self._orphan_mm_hashes)
 
     def release_on_workers(self, request_ids: list[str], mm_hashes: list[str]) -> None:
         """Tell the workers in the next step to drop these requests and encoder outputs
@@ -194,9 +213,8 @@ class Scheduler:
         over, the encoder outputs it allocated (never computed) are forgotten, and the
         releases it carried are sent again with the next step."""
         for cached in reversed(out.cached_requests):  # the earliest ends up first in line
-            request = self.requests.get(cached.request_id)
-            if request is not None and request.status is Status.RUNNING:  # else gone already
-                self._preempt(request, None)
+            if cached.request.status is Status.RUNNING:  # else gone already
+                self._preempt(cached.request, None)
         self.encoder.forget(out.allocated_mm_hashes)
         self.release_on_workers(out.finished_request_ids + out.preempted_request_ids,
                                 out.free_encoder_mm_hashes)
@@ -222,9 +240,8 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids,
-                              preempted_request_ids=self._preempted_ids)
-        self._finished_ids, self._preempted_ids = [], []
+        out = SchedulerOutput(finished_request_ids=self._finished_ids, preempted=self._preempted)
+        self._finished_ids, self._preempted = [], []
         budget = self.limits.max_num_batched_tokens
         encoder_budget = self.limits.max_num_encoder_tokens
         for request in list(self.running):
@@ -242,14 +259,14 @@ class Scheduler:
             if new_blocks is None:
                 continue
             out.cached_requests.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+                request, [b.block_id for b in new_blocks], request.num_computed_tokens))
             self._commit(request, n, enc, out)
             budget -= n
         # NOTE: after any preemption nothing is admitted in this step, not even requests
         # that would fit: the victim sits at the head of the queue and, when it shares
         # blocks with a running request, could fit again at once and be sent as new in
         # the very step that tells the workers to drop it.
-        if not out.preempted_request_ids:
+        if not out.preempted:
             budget, encoder_budget = self._schedule_waiting(out, budget, encoder_budget)
         out.free_encoder_mm_hashes = self._orphan_mm_hashes + self.encoder.get_freed_mm_hashes()
         self._orphan_mm_hashes = []
@@ -355,12 +372,12 @@ class Scheduler:
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
         if out is None:
-            self._preempted_ids.append(request.request_id)
+            self._preempted.append(request)
             return
-        out.preempted_request_ids.append(request.request_id)
+        out.preempted.append(request)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
-        out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]
+        out.cached_requests = [c for c in out.cached_requests if c.request is not request]
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: Mapping[str, Sequence[worker_pb2.SampledLogprobs]] | None = None,
@@ -369,15 +386,14 @@ class Scheduler:
         up to what it computed, append samples, check stops (ids and length here, stop
         strings in the request's text), decode the text.
 
+        Results go to the request objects ``out`` carried (see the module docstring);
         ``logprobs`` has an entry per token of ``sampled`` for requests that asked."""
-        before = {n.request.request_id: n.num_computed_tokens for n in out.new_requests}
-        before.update((c.request_id, c.num_computed_tokens) for c in out.cached_requests)
         results: list[tuple[Request, StepOutput]] = []
-        for request_id, n in out.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not Status.RUNNING:
-                continue  # aborted or preempted while the step ran
-            computed = before[request_id] + n  # a later step may be out already
+        for request, before in out.scheduled():
+            if request.status is not Status.RUNNING:
+                continue  # finished, aborted or preempted while the step ran
+            request_id = request.request_id
+            computed = before + out.num_scheduled_tokens[request_id]  # a later step may be out
             for f in request.features:
                 if f.is_covered(computed):
                     self.encoder.free_encoder_input(request_id, f.identifier)

@@ -25,6 +25,7 @@ from tandem.processor_cache import (
     ProcessorCache,
     ShmProcessorCache,
 )
+from tandem.request_limits import max_http_body_bytes, max_message_bytes
 from tandem.shared_dir import prepare_shared_dir
 from tandem.tls import server_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
@@ -32,7 +33,6 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SchedulerServer:
     metrics: MetricsEndpoint | None = None
     http: HttpServer | None = None
 
-    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+    async def stop(self, grace: float) -> None:
         """Health NOT_SERVING and new calls refused at once, on the gRPC and the HTTP port
         -> running streams finish while the engine keeps stepping (up to ``grace``; the
         rest are cancelled, which aborts their requests) -> close the health-only port ->
@@ -80,8 +80,9 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     cache = make_cache(config)
     workers = WorkerPool(list(config.worker_addresses))
     limits = config.limits
+    max_message = max_message_bytes(limits.max_images, limits.max_image_bytes)
     public = GrpcServer.create(SERVICE_NAME, [
-        ("grpc.max_receive_message_length", limits.max_images * limits.max_image_bytes + (1 << 20)),
+        ("grpc.max_receive_message_length", max_message),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     engine = Engine(config, cache, workers, public.set_serving)
@@ -97,7 +98,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
         if config.http.listen:  # bound before the workers answer, as gRPC is: 503 until then
             http = await HttpServer.start(EngineBackend(engine, latency), config.http,
-                                          config.tls)
+                                          config.tls, max_http_body_bytes(max_message))
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))
@@ -163,5 +164,5 @@ async def serve(config: SchedulerConfig) -> None:
     print(f"tandem scheduler listening on {config.listen}{http} (pid {os.getpid()})",
           flush=True)
     await stop.wait()
-    log.info("shutting down")
-    await running.stop()
+    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
+    await running.stop(config.shutdown_grace_s)

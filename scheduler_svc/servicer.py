@@ -78,14 +78,16 @@ def to_response(req: Request, out: StepOutput,
 
 def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[worker_pb2.SampledLogprobs],
                       tokenizer: Tokenizer) -> list[generate_pb2.PositionLogprobs]:
-    """The workers' logprobs of ``token_ids`` (one each, or none) with each token's text."""
+    """The workers' logprobs of ``token_ids`` (one each, or none) with each token's text
+    and bytes."""
     if not logprobs:
         return []
 
     def token(token_id: int, logprob: float) -> generate_pb2.TokenLogprob:
         return generate_pb2.TokenLogprob(
             token_id=token_id, logprob=logprob,
-            text=tokenizer.decode([token_id], skip_special_tokens=False))
+            text=tokenizer.decode([token_id], skip_special_tokens=False),
+            token_bytes=tokenizer.token_bytes(token_id), special=tokenizer.is_special(token_id))
 
     return [generate_pb2.PositionLogprobs(
         token=token(t, lp.logprob),

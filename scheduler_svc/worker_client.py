@@ -57,6 +57,8 @@ class _StepStream:
     itself ends (the connection broke, the worker died, it was cancelled), the first
     pending step fails with the call's status and the ones behind it as not run, although
     then nobody knows whether they ran: the engine treats any such failure as a loss.
+    Whatever ends the reader (a stray reply, an unexpected error) ends the stream the same
+    way: its steps fail, none is left waiting for an answer that will never be read.
     """
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, rank: int) -> None:
@@ -91,34 +93,49 @@ class _StepStream:
         error: BaseException
         try:
             async for reply in self.call:
+                if not self.pending:
+                    raise RuntimeError(f"worker {self.rank} answered step {reply.step_id}, "
+                                       "which is not pending")
                 step_id, future = self.pending.popleft()
                 if reply.step_id != step_id:
                     raise RuntimeError(f"worker {self.rank} answered step {reply.step_id} "
                                        f"where {step_id} was next")
                 outcome = reply.WhichOneof("outcome")
                 if outcome == "done":
-                    future.set_result(reply.done)
+                    _settle(future, reply.done)
                     continue
-                future.set_exception(WorkerStepError(reply.error) if outcome == "error"
-                                     else NotRun(f"not run: worker {self.rank} failed an "
-                                                 "earlier step"))
+                _settle(future, WorkerStepError(reply.error) if outcome == "error"
+                        else NotRun(f"not run: worker {self.rank} failed an earlier step"))
                 if not self.ended:
                     self.ended = True
                     await self.call.done_writing()  # the worker answers the rest, then ends
             error = RuntimeError(f"worker {self.rank} ended its step stream")
         except asyncio.CancelledError:
             error = RuntimeError("the step stream was cancelled")
-        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+        except grpc.aio.AioRpcError as exc:  # the call ended: the pool logs the failure
+            error = exc
+        except Exception as exc:  # a stray reply, or a bug: the steps fail, never hang
+            log.error("the step stream of worker %d failed", self.rank, exc_info=exc)
             error = exc
         self.ended = True
         self.call.cancel()
         first = True
         while self.pending:
             _, future = self.pending.popleft()
-            if not future.done():
-                future.set_exception(error if first else NotRun(
-                    f"not run: worker {self.rank} ended the stream at an earlier step"))
+            _settle(future, error if first else NotRun(
+                f"not run: worker {self.rank} ended the stream at an earlier step"))
             first = False
+
+
+def _settle(future: asyncio.Future[worker_pb2.StepResponse],
+            outcome: worker_pb2.StepResponse | BaseException) -> None:
+    """Resolve a step's future, unless whoever waited for it cancelled it already."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _retrieve(future: asyncio.Future[worker_pb2.StepResponse]) -> None:

@@ -31,6 +31,8 @@ class TandemError(Exception):
 
     code = grpc.StatusCode.INTERNAL
     default_reason = "INTERNAL"
+    # The HTTP status and OpenAI error type when the code's row in HTTP_STATUS is not it.
+    http_status: tuple[int, str] | None = None
 
     def __init_subclass__(cls, code: grpc.StatusCode | None = None, reason: str = "",
                           **kwargs: Any) -> None:
@@ -60,6 +62,14 @@ class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMEN
 
 class ResourceExhausted(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     pass
+
+
+class RequestTooLarge(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      reason="REQUEST_TOO_LARGE"):
+    """A request (or one image in it) over the port's size cap: gRPC's own status for a
+    message over its limit, and HTTP's 413 rather than 429 (no point in retrying it)."""
+
+    http_status = (413, "invalid_request_error")
 
 
 class Unavailable(TandemError, code=grpc.StatusCode.UNAVAILABLE):
@@ -97,8 +107,9 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _HTTP_INTERNAL = (500, "internal_server_error")  # INTERNAL, UNKNOWN, DATA_LOSS
-# How long a client is asked to wait before retrying a RESOURCE_EXHAUSTED answer (a full
-# queue or segment drains as requests finish): HTTP ``Retry-After``, gRPC ``RetryInfo``.
+# How long a client is asked to wait before retrying a 429 (RESOURCE_EXHAUSTED but a
+# request too large: a full queue or segment drains as requests finish): HTTP
+# ``Retry-After``, gRPC ``RetryInfo``.
 RETRY_AFTER_S = 1
 
 
@@ -131,9 +142,13 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object (``{"error": {message, type, param, code}}``)
     for any exception, through the same ``classify`` and code as the gRPC status."""
     err = reported(exc)
-    status, kind = HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
+    status, kind = _http_status(err)
     return status, {"error": {"message": err.message, "type": kind, "param": err.param,
                               "code": err.reason.lower()}}
+
+
+def _http_status(err: TandemError) -> tuple[int, str]:
+    return err.http_status or HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
 
 
 def http_headers(status: int) -> dict[str, str]:
@@ -142,11 +157,11 @@ def http_headers(status: int) -> dict[str, str]:
 
 
 def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tuple:
-    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail (and
-    a ``RetryInfo`` one for RESOURCE_EXHAUSTED)."""
+    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail, and
+    a ``RetryInfo`` one when the error is worth retrying later (HTTP's 429)."""
     infos: list[Any] = [error_details_pb2.ErrorInfo(
         reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata or {})]
-    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if _http_status(err)[0] == 429:
         infos.append(error_details_pb2.RetryInfo(
             retry_delay=duration_pb2.Duration(seconds=RETRY_AFTER_S)))
     details = [any_pb2.Any() for _ in infos]

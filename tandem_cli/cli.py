@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import math
 import os
 import shutil
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 from tandem import __version__
 from tandem.errors import TandemError
 from tandem.shared_dir import UnsafeSharedDir, prepare_shared_dir
+from tandem.shutdown import DEFAULT_GRACE_S, STOP_MARGIN_S
 from tandem.sizes import parse_size
 from tandem.tls import TlsConfigError, TlsFiles
 
@@ -59,6 +62,38 @@ def fraction_arg(text: str) -> float:
     return value
 
 
+def _served_names(text: str) -> list[str]:
+    """TANDEM_SERVED_MODEL_NAME: names separated by commas or whitespace."""
+    return text.replace(",", " ").split()
+
+
+def _add_served_name_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   default=_served_names(_env("SERVED_MODEL_NAME", "")),
+                   help="the model's name(s) in the APIs: the first is reported, any is "
+                        "accepted (default: --model; the router: the cells' names)")
+
+
+def networks_arg(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated CIDR networks (``10.0.0.0/8,fd00::/8``; empty = none), for argparse."""
+    try:
+        return tuple(ipaddress.ip_network(n.strip()) for n in text.split(",") if n.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (expected networks like 10.0.0.0/8, "
+                                         "comma-separated)") from None
+
+
+def seconds_arg(text: str) -> float:
+    """A finite number of seconds >= 0, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TANDEM_{name}", default)
 
@@ -75,9 +110,17 @@ def _add_common(p: argparse.ArgumentParser, shm_default: str) -> None:
                    help="directory shared by the cell's scheduler and workers")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
-                   help="Prometheus /metrics port (0 = off); serve's workers use the next ones")
+                   help="Prometheus /metrics port (0 = off); serve's worker r uses port + 1 + r")
+    _add_shutdown_grace(p)
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     _add_tracing_flags(p)
+
+
+def _add_shutdown_grace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shutdown-grace", type=seconds_arg,
+                   default=_env("SHUTDOWN_GRACE", str(DEFAULT_GRACE_S)),
+                   help="seconds running streams may finish after SIGTERM (a worker: steps "
+                        "of a scheduler still streaming to it); docs/reliability.md")
 
 
 def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
@@ -92,6 +135,7 @@ def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50051"))
+    _add_served_name_flag(p)
     p.add_argument("--mm-cache", choices=("shm", "lru", "none"), default=_env("MM_CACHE", "shm"))
     p.add_argument("--mm-cache-size", type=size_arg, default=_env("MM_CACHE_SIZE", "256Mi"))
     p.add_argument("--mm-cache-max-object-size", type=size_arg,
@@ -146,7 +190,12 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
                    help="largest remote image fetched")
     p.add_argument("--http-remote-image-timeout", type=float,
                    default=float(_env("HTTP_REMOTE_IMAGE_TIMEOUT", "10")),
-                   help="seconds one remote image fetch may take, redirects included")
+                   help="seconds all of a request's remote images may take together, "
+                        "redirects included")
+    p.add_argument("--http-remote-image-allow-networks", type=networks_arg,
+                   default=_env("HTTP_REMOTE_IMAGE_ALLOW_NETWORKS", ""),
+                   help="comma-separated CIDR networks remote images may also come from "
+                        "although not public (an in-cluster image store); default none")
 
 
 def _http_config(args: argparse.Namespace):
@@ -154,7 +203,8 @@ def _http_config(args: argparse.Namespace):
     from tandem.openai_api.remote_images import RemoteImageLimits
 
     return HttpConfig(args.http_listen, args.http_allow_remote_images, RemoteImageLimits(
-        args.http_remote_image_max_bytes, args.http_remote_image_timeout))
+        args.http_remote_image_max_bytes, args.http_remote_image_timeout,
+        args.http_remote_image_allow_networks))
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -217,15 +267,19 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_image_bytes=args.max_waiting_image_bytes,
-        metrics_port=args.metrics_port, health_listen=args.health_listen,
+        metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
+        health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
-        async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args))
+        async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args),
+        served_model_names=tuple(args.served_model_name))
 
 
-def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen: str = "",
-                   tp_master: tuple[str, int] = ("127.0.0.1", 29500), health_listen: str = ""):
+def _worker_config(args: argparse.Namespace, rank: int, world_size: int, metrics_port: int,
+                   listen: str = "", tp_master: tuple[str, int] = ("127.0.0.1", 29500),
+                   health_listen: str = ""):
+    """``metrics_port`` is the port this worker serves, exactly (0 = off)."""
     from worker_svc.config import WorkerConfig
 
     return WorkerConfig(
@@ -234,8 +288,8 @@ def _worker_config(args: argparse.Namespace, rank: int, world_size: int, listen:
         dtype=args.dtype, block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
         tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
-        tp_master_port=tp_master[1],
-        metrics_port=0 if not args.metrics_port else args.metrics_port + 1 + rank)
+        tp_master_port=tp_master[1], metrics_port=metrics_port,
+        shutdown_grace_s=args.shutdown_grace)
 
 
 def worker_address(shm_dir: str, rank: int) -> str:
@@ -261,7 +315,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def start_group(ranks: range) -> list:
         tp_master = ("127.0.0.1", _free_port())  # where the tensor-parallel ranks meet
         procs = [ctx.Process(target=_run_worker,
-                             args=(_worker_config(args, r, args.workers, tp_master=tp_master),
+                             args=(_worker_config(args, r, args.workers,
+                                                  _child_metrics_port(args.metrics_port, r),
+                                                  tp_master=tp_master),
                                    tracing_args),
                              name=f"tandem-worker-{r}") for r in ranks]
         for p in procs:
@@ -280,11 +336,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        supervisor.stop()
+        # The workers outlive the scheduler's last step: they are stopped only now, and
+        # may take their own grace (steps of a scheduler still streaming) and then some.
+        supervisor.stop(timeout=args.shutdown_grace + STOP_MARGIN_S)
         _shutdown_tracing()
         if args.remove_shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)
     return 0
+
+
+def _child_metrics_port(port: int, rank: int) -> int:
+    """The /metrics port of ``tandem serve``'s worker ``rank``: the scheduler has ``port``,
+    the workers the next ones (0 = off for all)."""
+    return port + 1 + rank if port else 0
 
 
 def _free_port() -> int:
@@ -347,8 +411,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_model(args.model)
     _setup_tracing("tandem-worker", args)
     try:
-        serve(_worker_config(args, args.rank, args.workers, args.worker_listen,
-                             (args.tp_master_addr, args.tp_master_port), args.health_listen))
+        serve(_worker_config(args, args.rank, args.workers, args.metrics_port,
+                             args.worker_listen, (args.tp_master_addr, args.tp_master_port),
+                             args.health_listen))
     finally:
         _shutdown_tracing()
     return 0
@@ -387,10 +452,11 @@ def cmd_router(args: argparse.Namespace) -> int:
         asyncio.run(serve(RouterConfig(
             cells=cells, listen=args.listen, load_factor=args.load_factor,
             block_size=args.block_size, health_interval=args.health_interval,
-            metrics_port=args.metrics_port, health_listen=args.health_listen,
+            metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
+            health_listen=args.health_listen,
             tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
             cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
-            http=_http_config(args))))
+            http=_http_config(args), served_model_names=tuple(args.served_model_name))))
     finally:
         _shutdown_tracing()
     return 0
@@ -476,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cells", default=_env("ROUTER_CELLS", ""),
                    help="comma-separated host:port of the cells' schedulers")
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50050"))
+    _add_served_name_flag(p)
     p.add_argument("--load-factor", type=float, default=float(_env("ROUTER_LOAD_FACTOR", "1.25")),
                    help="a cell above this many times the mean in-flight count spills")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
@@ -484,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="Prometheus /metrics port (0 = off)")
+    _add_shutdown_grace(p)
     _add_tls_serving_flags(p)
     _add_health_listen(p)
     _add_http_flags(p)

@@ -1,15 +1,17 @@
 """The soak workload (bench/soak.py runs it at full length, tests/test_soak.py shortened).
 
 Load: ``--concurrency`` client threads; each request takes one of a few shared prompt
-prefixes, 0-2 images drawn from a pool with Zipf-like reuse (image k has weight
-1/(k+1)^s), and a few output tokens; ``--cancel`` of the streams are cancelled by the client
-after a random number of messages. Two faults: when ``--stop-at`` of the requests are
-done, the worker is stopped (SIGSTOP) for ``--stop-for`` seconds, longer than the cell's
+prefixes, 0-2 images drawn from a pool with Zipf-like reuse (image k has weight 1/(k+1)^s),
+and a few output tokens; ``--cancel`` of the streams are cancelled by the client after a
+random number of messages, and ``--retry-same-id`` of those are sent again at once with the
+same ``request_id`` (a proxy retrying with its ``x-request-id``): the retry must end OK,
+never as a duplicate or an internal error. Two faults: when ``--stop-at`` of the requests
+are done, the worker is stopped (SIGSTOP) for ``--stop-for`` seconds, longer than the cell's
 step timeout, then continued (SIGCONT): alive all along, so its reader slot must not be
-touched while its timed-out step may still run; when ``--restart-at`` are done, it is
-killed with SIGKILL and ``tandem serve`` restarts it. Clients retry UNAVAILABLE with
-backoff, as a real client would. The cell runs with ``TANDEM_DEBUG_INVARIANTS=1``: after
-every step the delivery ledger is checked against the segment's counters.
+touched while its timed-out step may still run; when ``--restart-at`` are done, it is killed
+with SIGKILL and ``tandem serve`` restarts it. Clients retry UNAVAILABLE with backoff, as a
+real client would. The cell runs with ``TANDEM_DEBUG_INVARIANTS=1``: after every step the
+delivery ledger is checked against the segment's counters.
 
 Pass criteria (exit status 1 otherwise), printed with every count:
 
@@ -57,6 +59,7 @@ class SoakConfig:
     images: int = 48
     zipf: float = 1.1
     cancel: float = 0.05
+    retry_same_id: float = 0.5  # fraction of cancelled streams retried at once, same id
     restart_at: float = 0.5  # fraction of requests done when the worker is killed; 0 = never
     stop_at: float = 0.25  # fraction done when the worker is stopped (SIGSTOP); 0 = never
     stop_for: float = 6.0  # seconds stopped; more than step_timeout
@@ -75,6 +78,7 @@ class SoakReport:
     statuses: Counter[str] = field(default_factory=Counter)  # every attempt's outcome
     unexpected: list[str] = field(default_factory=list)
     retries: int = 0
+    same_id_retries: int = 0  # cancelled streams sent again with their request_id
     tokens: int = 0
     elapsed: float = 0.0
     restart_window: tuple[float, float] | None = None  # kill -> ready again (monotonic)
@@ -141,13 +145,24 @@ class Soak:
         rng = random.Random(self.config.seed * 1000 + index)
         while (n := self._take()) is not None:
             msg, cancel_after = self._request(rng, n)
-            delay = 0.05
-            while not self._attempt(msg, cancel_after):
+            retry = cancel_after is not None and rng.random() < self.config.retry_same_id
+            if retry:
+                msg.request_id = f"soak-{self.config.seed}-{n}"
+            self._until_answered(msg, cancel_after)
+            if retry:  # at once, with the same id: the cancel may still be landing
                 with self._lock:
-                    self.report.retries += 1
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
+                    self.report.same_id_retries += 1
+                self._until_answered(msg, None)
             self._finished()
+
+    def _until_answered(self, msg, cancel_after: int | None) -> None:
+        """Attempts until one is not UNAVAILABLE, with backoff."""
+        delay = 0.05
+        while not self._attempt(msg, cancel_after):
+            with self._lock:
+                self.report.retries += 1
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     def _take(self) -> int | None:
         with self._lock:
@@ -309,7 +324,8 @@ def print_report(report: SoakReport, config: SoakConfig) -> list[str]:
           f"({report.retries} retried) in {report.elapsed:.1f} s: "
           f"{config.requests / report.elapsed:.1f} req/s, {report.tokens / report.elapsed:.0f} "
           f"tokens/s")
-    print("statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(report.statuses.items())))
+    print("statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(report.statuses.items()))
+          + f"; {report.same_id_retries} cancelled streams retried with the same id")
     if report.stop_window:
         a, b = report.stop_window
         print(f"worker stopped (SIGSTOP) at {config.stop_at:.0%} of the requests for "

@@ -128,3 +128,50 @@ def test_greedy_outputs_are_the_same_with_async_scheduling_on_and_off(
     assert min(off["cached"], on["cached"]) >= 8, "the repeat's image comes from the prefix cache"
     assert off["preemptions"] > 0 and on["preemptions"] > 0, "the pool is too large to preempt"
     assert (off["most_out"], on["most_out"]) == (1, 2), "one step out at a time, or two"
+
+
+def test_a_request_reusing_the_id_of_one_just_cancelled_gets_its_own_tokens(
+        worker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves request r while a step out carries it and at once sends a new
+    request with r's id (a retry). The new one's greedy output is a fresh request's, the
+    engine's bookkeeping holds (checked after every step) and the worker refuses nothing;
+    the retry goes out only once every step carrying the old r has been applied."""
+    monkeypatch.setenv("TANDEM_DEBUG_INVARIANTS", "1")
+
+    def msg(request_id: str) -> generate_pb2.GenerateRequest:
+        m = request("Tell me a long story about the sea.", max_tokens=12, ignore_eos=True)
+        m.request_id = request_id
+        return m
+
+    async def main() -> None:
+        async with _engine(worker, True) as e:
+            fresh = await generate(e, msg("fresh"))
+            carrying: set[int] = set()  # steps sent that ran tokens of some r
+            applied: set[int] = set()  # steps whose results came back
+            early: list[int] = []  # steps admitting an r while an earlier r's step was out
+            send, result = e.workers.send, e.workers.result
+
+            async def recording_send(step):  # delegates, recording what goes out when
+                if any(n.request_id == "r" for n in step.new_requests) and carrying - applied:
+                    early.append(step.step_id)
+                if "r" in step.num_scheduled_tokens:
+                    carrying.add(step.step_id)
+                return await send(step)
+
+            async def recording_result(sent, timeout):
+                out = await result(sent, timeout)
+                applied.add(sent.step_id)
+                return out
+
+            e.workers.send = recording_send  # type: ignore[method-assign]
+            e.workers.result = recording_result  # type: ignore[method-assign]
+            for leave_after in (1, 2, 3, 5):
+                await _cancelled_after(e, msg("r"), leave_after)
+                assert carrying - applied, "the cancel must land while a step carries r"
+                assert await generate(e, msg("r")) == fresh
+            await idle(e)
+            assert e.errors == 0 and e.worker_losses == 0 and e.invariant_checks > 0
+            assert early == []
+            e.check_invariants()
+
+    asyncio.run(main())

@@ -142,20 +142,6 @@ def test_identical_blocks_are_not_deduplicated() -> None:
         pool.cache_full_blocks(first, [_hash(6)])
 
 
-def test_reset_prefix_cache_only_when_idle() -> None:
-    pool = BlockPool(2, enable_caching=True)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, [_hash(0), _hash(1)])
-    assert not pool.reset_prefix_cache()
-    pool.check_invariants()
-    assert pool.num_cached_blocks == 2
-    pool.free_blocks(reversed(blocks))
-    assert pool.reset_prefix_cache()
-    pool.check_invariants()
-    assert pool.num_cached_blocks == 0
-    assert pool.get_cached_block(_hash(0)) is None
-
-
 def test_caching_disabled_never_hashes() -> None:
     pool = BlockPool(2, enable_caching=False)
     blocks = pool.get_new_blocks(2)

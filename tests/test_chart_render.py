@@ -41,9 +41,10 @@ from test_chart_harness import (
 )
 
 from tandem import __version__
+from tandem.shutdown import DEFAULT_GRACE_S, STOP_MARGIN_S
 from tandem_cli.cli import build_parser
 from tandem_operator.main import parser as operator_parser
-from tandem_operator.manifests import build_service, endpoint
+from tandem_operator.manifests import build_service, cell_config, endpoint
 from tandem_operator.placement import Cell
 from tandem_operator.spec import TandemSpec, parse_spec
 from tandem_operator.workloads import build_pod_template
@@ -497,3 +498,38 @@ def test_autosize_passes_through_to_the_operator(helm: dict) -> None:
     assert spec.cache.auto_size is not None and spec.cache.auto_size.max == 16 << 30
     with pytest.raises(RenderError, match="autoSize"):  # the schema wants both bounds
         render("helm4", (), ('service.featureCache.autoSize={"min":"1Gi"}',))
+
+
+@pytest.mark.parametrize("sets,grace", [((), DEFAULT_GRACE_S),
+                                        (("service.shutdownGraceSeconds=90",), 90.0),
+                                        (("service.shutdownGraceSeconds=0",), 0.0)],
+                         ids=["default", "90", "0"])
+def test_the_shutdown_grace_reaches_the_pods(helm: dict, sets: tuple[str, ...],
+                                             grace: float) -> None:
+    """Issue 22, item 6: service.shutdownGraceSeconds, through the CRD and the operator's
+    builders, is the scheduler's TANDEM_SHUTDOWN_GRACE and sets its pod's grace (0 too)."""
+    spec, scheduler, _ = operator_view(render("helm4", (), sets))
+    assert spec.shutdown_grace == grace
+    assert env_of(scheduler["spec"]["containers"][0])["TANDEM_SHUTDOWN_GRACE"] == f"{grace:g}"
+    assert scheduler["spec"]["terminationGracePeriodSeconds"] == int(grace + STOP_MARGIN_S)
+
+
+@pytest.mark.parametrize(("sets", "names"), [((), []),
+                                             (('service.model.servedNames=["my-model","alias"]',),
+                                              ["my-model", "alias"])],
+                         ids=["default", "two"])
+def test_the_served_model_names_reach_the_schedulers(helm: dict, monkeypatch: pytest.MonkeyPatch,
+                                                     sets: tuple[str, ...],
+                                                     names: list[str]) -> None:
+    """Issue 22, item 13: service.model.servedNames, through the CRD and the operator's
+    builders, is what the scheduler's --served-model-name reads from its cell's settings;
+    none set leaves the setting out (the cell's settings, and so its hash, as before)."""
+    spec, _, _ = operator_view(render("helm4", (), sets))
+    assert list(spec.model.served_names) == names
+    config = cell_config(spec, Cell(index=0, node="node-a", cache_bytes=1 << 30,
+                                    requested_bytes=1 << 30, generation=1))
+    if not names:
+        assert "TANDEM_SERVED_MODEL_NAME" not in config
+        return
+    monkeypatch.setenv("TANDEM_SERVED_MODEL_NAME", config["TANDEM_SERVED_MODEL_NAME"])
+    assert build_parser().parse_args(["scheduler"]).served_model_name == names

@@ -58,6 +58,8 @@ def _digits_bumped(text: str) -> list[str]:
 
 
 def candidates(value: Any) -> list[Any]:
+    if value is None:  # unset: the operator's default applies
+        return [1, "x"]
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, int | float):

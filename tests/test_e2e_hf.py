@@ -190,7 +190,8 @@ def test_bad_requests_on_a_real_model(vl: tuple[str, Path, torch.nn.Module],
     marker_mismatch = generate_pb2.GenerateRequest(prompt="<|image_pad|> twice <|image_pad|>")
     marker_mismatch.images.add(encoded=png(1))
     with running_cell(tmp_path, "--model", str(model_dir)) as cell:
-        for msg, words in [(both, "both"), (neither, "neither a prompt nor messages"),
+        for msg, words in [(both, "more than one of prompt"),
+                           (neither, "neither a prompt nor messages"),
                            (images_with_messages, "content"),
                            (marker_mismatch, "placeholders")]:
             with pytest.raises(grpc.RpcError) as info:

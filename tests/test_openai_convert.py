@@ -24,7 +24,6 @@ from tandem.openai_api import convert, schema
 from tandem.openai_api.remote_images import (
     REFUSED,
     RemoteImageFetcher,
-    RemoteImageLimits,
     is_public,
     resolve_public,
 )
@@ -135,9 +134,12 @@ def response(text: str, ids: list[int], finish: int = 0, **usage: int,
     msg = generate_pb2.GenerateResponse(request_id="r1", text=text, token_ids=ids,
                                         finish_reason=finish)
     for token_id in ids:
-        msg.logprobs.add(token=generate_pb2.TokenLogprob(token_id=token_id, text=f"<{token_id}>",
+        text = f"<{token_id}>"
+        msg.logprobs.add(token=generate_pb2.TokenLogprob(token_id=token_id, text=text,
+                                                         token_bytes=text.encode(),
                                                          logprob=-0.5),
                          top_logprobs=[generate_pb2.TokenLogprob(token_id=1, text="a",
+                                                                 token_bytes=b"a",
                                                                  logprob=-0.1)])
     if usage:
         msg.usage.CopyFrom(generate_pb2.Usage(**usage))
@@ -228,11 +230,8 @@ def test_a_host_that_resolves_to_loopback_is_refused() -> None:
 
 def test_the_fetchers_body_limit() -> None:
     async def read(body: bytes, limit: int) -> bytes:
-        fetcher = RemoteImageFetcher(RemoteImageLimits(max_bytes=limit))
-        try:
-            return await fetcher._body(httpx.Response(200, content=body), "messages")
-        finally:
-            await fetcher.close()
+        return await RemoteImageFetcher._body(httpx.Response(200, content=body), "messages",
+                                              limit)
 
     assert asyncio.run(read(b"x" * 100, 100)) == b"x" * 100
     with pytest.raises(InvalidInput, match="larger than 99 bytes"):

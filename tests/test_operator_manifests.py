@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 from kube_emulator.fixtures import tandem_spec
 
+from tandem.shutdown import DEFAULT_GRACE_S, STOP_MARGIN_S
+from tandem_cli.cli import build_parser
 from tandem_operator.manifests import (
     build_cleanup_job,
     build_configmap,
@@ -453,3 +455,29 @@ def test_the_longest_name_the_crd_allows_fits_every_child() -> None:
     longer = dataclasses.replace(spec, name="n" * (MAX_NAME_LENGTH + 1))
     assert [p.split(":")[1] for obj in children(longer, last) for p in name_problems(obj)] == [
         " label controller-revision-hash=" + f"{'n' * 40}-63-scheduler-{'h' * 10}"]
+
+
+@pytest.mark.parametrize("patch,grace", [({}, DEFAULT_GRACE_S),
+                                         ({"shutdownGraceSeconds": 120}, 120.0),
+                                         ({"shutdownGraceSeconds": 0.5}, 0.5)],
+                         ids=["default", "long", "short"])
+def test_the_shutdown_grace_reaches_every_process_and_its_pod(patch: dict, grace: float) -> None:
+    """Issue 22, item 6: each serving process gets TANDEM_SHUTDOWN_GRACE and its pod a
+    terminationGracePeriodSeconds that covers it and the stop after it; a worker's grace
+    covers its scheduler's (both stop together when a cell stops), so it runs the last step."""
+    spec = tandem_spec({"cells": 2, **patch})
+    pods = {component: build_pod_template(spec, CELL, component)["spec"]
+            for component in ("scheduler", "worker")}
+    pods["router"] = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    processes = {role: float(env_of(pod["containers"][0])["TANDEM_SHUTDOWN_GRACE"])
+                 for role, pod in pods.items()}
+    assert processes["scheduler"] == processes["router"] == grace
+    assert processes["worker"] == grace + STOP_MARGIN_S
+    for role, pod in pods.items():
+        assert pod["terminationGracePeriodSeconds"] >= processes[role] + STOP_MARGIN_S, role
+    assert (pods["worker"]["terminationGracePeriodSeconds"]
+            > pods["scheduler"]["terminationGracePeriodSeconds"])
+    flag = build_parser().parse_args(
+        ["worker", "--shutdown-grace", env_of(pods["worker"]["containers"][0])[
+            "TANDEM_SHUTDOWN_GRACE"]]).shutdown_grace
+    assert flag == processes["worker"]

@@ -254,3 +254,26 @@ def test_finish_releases_everything(state: str) -> None:
     assert out.finished_request_ids == (["a"] if state == "running" else [])
     assert h.kv.num_free_blocks == 64 and "a" not in h.sched.requests
     h.encoder.check_invariants()
+
+
+def test_results_go_to_the_request_a_step_carried_not_to_a_later_holder_of_its_id() -> None:
+    """Two steps out carry request r; r is aborted and a new request takes its id before
+    the later step's results are applied. Those results were r's: the new request gets
+    only its own token, and the blocks of the old one are not cached under its hashes."""
+    h = Harness()
+    old = _request("r", image=None, max_tokens=10)
+    h.sched.add_request(old)
+    first = h.sched.schedule()  # old's prefill
+    second = h.sched.schedule()  # old's first decode, before the prefill's results
+    assert second.scheduled_request_ids == ["r"] and old.num_output_placeholders == 2
+    h.sched.update(first, {"r": [65]})
+    h.sched.finish(old, generate_pb2.FINISH_REASON_ABORT)  # the client cancelled
+    new = _request("r", image=None, max_tokens=10, text=2)  # a shorter prompt: fewer blocks
+    h.sched.add_request(new)
+    third = h.sched.schedule()
+    assert third.finished_request_ids == ["r"] and [n.request for n in third.new_requests] == [new]
+    assert h.sched.update(second, {"r": [66]}) == [], "old's token went to another request"
+    [(request, output)] = h.sched.update(third, {"r": [67]})
+    assert request is new and output.token_ids == [67] and new.num_output_tokens == 1
+    assert new.num_output_placeholders == 0
+    h.kv.check_invariants()

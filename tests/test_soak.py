@@ -1,7 +1,8 @@
 """A shortened soak (bench/soak.py): 400 requests, 16 concurrent, Zipf image reuse, shared
-prefixes, client cancellations, a worker stopped (SIGSTOP) past the step timeout at a
-quarter and killed halfway; at the end nothing is pinned or allocated, the ledger agrees
-with the segment, RSS is flat after warm-up and no status was unexpected."""
+prefixes, client cancellations (half of them retried at once with the same request id), a
+worker stopped (SIGSTOP) past the step timeout at a quarter and killed halfway; at the end
+nothing is pinned or allocated, the ledger agrees with the segment, RSS is flat after
+warm-up and no status was unexpected."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_soak_with_a_worker_restart(tmp_path: Path) -> None:
         report = Soak(cell, config, metrics).run()
     assert print_report(report, config) == []
     assert report.statuses["OK"] > 300 and report.statuses["CANCELLED"] > 0
+    assert report.same_id_retries > 0
     assert report.restart_window is not None and report.stop_window is not None
     assert report.end["worker_losses_total"] == 2  # the stop (a timed-out step), the kill
     assert report.end["invariant_checks_total"] > 0 and report.end["engine_errors_total"] == 0

@@ -22,6 +22,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tandem.errors import InvalidInput
 from tandem.text import ByteTokenizer, HFTokenizer, expand_images, load_tokenizer
 from tandem.text import byte_tokenizer as byte_vocab
+from worker_svc.hf_config import hf_config_fields
 
 MIXED_TEXTS = [
     "Hello, world! What's the capital of France?",
@@ -223,3 +224,26 @@ def test_real_checkpoint_layout_copied_elsewhere_still_loads(tmp_path) -> None:
         shutil.copy(src / name, tmp_path / name)
     assert load_tokenizer(tmp_path).encode(MIXED_TEXTS[1]) == load_tokenizer(src).encode(
         MIXED_TEXTS[1])
+
+
+def test_the_scheduler_and_the_workers_read_the_same_special_ids(tmp_path) -> None:
+    """Issue 22, item 18: the tokenizer and the workers' config parsed the ids apart. A
+    Qwen2-VL config.json without its vision ids (transformers' defaults apply) and with
+    its EOS in text_config as well as at the top gave the tokenizer no image placeholder
+    (so the scheduler refused the model: "placeholder id is None but ... 151655") and
+    another EOS than the workers mask under min_tokens."""
+    directory = tmp_path / "qwen2-vl"
+    shutil.copytree(qwen2_vl_dir(), directory)
+    (directory / "generation_config.json").unlink()
+    text = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 128, "max_position_embeddings": 256, "vocab_size": 151936,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "eos_token_id": 151645}
+    config = {"model_type": "qwen2_vl", "eos_token_id": 151643, "text_config": text,
+              "vision_config": {"embed_dim": 32, "hidden_size": 64, "num_heads": 2}}
+    (directory / "config.json").write_text(json.dumps(config))
+    workers = hf_config_fields(directory / "config.json", config)
+    tok = load_tokenizer(directory)
+    assert tok.image is not None and tok.image.pad_id == workers["image_token_id"] == 151655
+    assert tok.image.marker == "<|vision_start|><|image_pad|><|vision_end|>"
+    assert tok.special.eos_ids == workers["eos_token_ids"] == (151645,)

@@ -1,7 +1,8 @@
 """A relay between a scheduler and a real worker: forwards every Worker and health call
 unchanged, records the steps, and refuses the ones a test chooses, answering as a healthy
-worker refusing a step does (INVALID_ARGUMENT with a google.rpc.ErrorInfo). A network-fault
-injector, not a stand-in: the worker behind it is the real process."""
+worker refusing a step does (INVALID_ARGUMENT with a google.rpc.ErrorInfo), or answers them
+twice (a stray reply on the step stream). A network-fault injector, not a stand-in: the
+worker behind it is the real process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.refuse: Callable[[worker_pb2.StepRequest], bool] = lambda _: False
+        self.repeat: Callable[[worker_pb2.StepRequest], bool] = lambda _: False
         self.steps: list[worker_pb2.StepRequest] = []  # every step forwarded
         self.refused = 0
 
@@ -54,7 +56,10 @@ class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
                         reason=REFUSAL.reason))
                 else:
                     await upstream.write(msg)
-                    yield await upstream.read()
+                    reply = await upstream.read()
+                    yield reply
+                    if self.repeat(msg.step):
+                        yield reply
         finally:
             upstream.cancel()
 

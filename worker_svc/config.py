@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.shutdown import DEFAULT_GRACE_S
+
 MiB = 1 << 20
 
 
@@ -25,6 +27,8 @@ class WorkerConfig:
     tensor_parallel_size: int = 1  # ranks sharing one copy of the model (divides world_size)
     tp_master_addr: str = "127.0.0.1"  # host of worker 0, where the TP ranks meet
     tp_master_port: int = 29500
+    # SIGTERM: steps of a scheduler still streaming run this long (tandem.shutdown)
+    shutdown_grace_s: float = DEFAULT_GRACE_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -17,15 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tandem.checkpoint_ids import QWEN_VL_TYPES, checkpoint_ids
 from tandem.errors import InvalidInput
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 DECODERS = ("llama", "qwen2")  # text only, plain RoPE
-VLMS = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE decoder + vision tower
+VLMS = QWEN_VL_TYPES  # M-RoPE decoder + vision tower
 VISION_ACTS = ("quick_gelu", "silu", "gelu")
-# transformers' defaults where Qwen2-VL configs omit a key (facts of its config classes).
-_QWEN_VL_IDS = {"image_token_id": 151655, "vision_start_token_id": 151652,
-                "vision_end_token_id": 151653}
 _DEFAULT_MROPE = [16, 24, 24]
 
 
@@ -67,7 +65,7 @@ def hf_config_fields(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
             f"{', '.join(DECODERS + VLMS)}", reason="UNKNOWN_MODEL")
     text = _Keys(path, raw, "text_config")
     fields = _decoder_fields(text, model_type)
-    fields.update(_special_ids(path, text, model_type))
+    fields.update(_special_ids(path, raw))
     if model_type in VLMS:
         vision = _Keys(path, raw, "vision_config", fallback=False)
         fields.update(_vision_fields(vision, model_type, fields["dim"]))
@@ -140,33 +138,22 @@ def _rope_fields(text: _Keys, model_type: str, head_dim: int) -> dict[str, Any]:
             "mrope_section": (head_dim // 2, 0, 0)}
 
 
-def _special_ids(path: Path, text: _Keys, model_type: str) -> dict[str, Any]:
-    """bos/pad from config.json; end-of-sequence ids from generation_config.json (what
-    ``generate`` stops on; an int or a list) or else config.json; the vision ids."""
-    eos: Any = text.get("eos_token_id")
+def _special_ids(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The ids as the scheduler's tokenizer reads them too (tandem.checkpoint_ids)."""
     gen_path = path.parent / GENERATION_CONFIG_FILE
+    gen = None
     if gen_path.is_file():
         try:
             gen = json.loads(gen_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidInput(f"{gen_path}: not readable JSON ({exc})",
                                reason="BAD_CHECKPOINT") from exc
-        eos = gen.get("eos_token_id", eos)
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    if not isinstance(eos_ids, list) or not all(isinstance(i, int) for i in eos_ids):
-        raise InvalidInput(f"{gen_path if gen_path.is_file() else path}: key 'eos_token_id' "
-                           "must be an integer or a list of integers", reason="BAD_CHECKPOINT")
-    fields: dict[str, Any] = {
-        "bos_token_id": text.get("bos_token_id"),
-        "eos_token_ids": tuple(eos_ids),
-        "pad_token_id": text.get("pad_token_id"),
-        "image_token_id": None,
-        "vision_start_token_id": None,
-        "vision_end_token_id": None,
-    }
-    if model_type in VLMS:
-        fields.update({k: text.get(k, v) for k, v in _QWEN_VL_IDS.items()})
-    return fields
+        if not isinstance(gen, dict):
+            raise InvalidInput(f"{gen_path}: not a JSON object", reason="BAD_CHECKPOINT")
+    ids = checkpoint_ids(raw, path, gen, gen_path)
+    return {"bos_token_id": ids.bos, "eos_token_ids": ids.eos, "pad_token_id": ids.pad,
+            "image_token_id": ids.image, "vision_start_token_id": ids.vision_start,
+            "vision_end_token_id": ids.vision_end}
 
 
 def _vision_fields(v: _Keys, model_type: str, text_dim: int) -> dict[str, Any]:

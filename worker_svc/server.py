@@ -42,7 +42,6 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # matches the scheduler's send limit. Responses are a few tokens per request.
 MAX_RECEIVE_BYTES = 1 << 30
 MAX_SEND_BYTES = 16 << 20
-SHUTDOWN_GRACE_S = 5.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -62,6 +61,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.telemetry = StepTelemetry(config.rank)
         # Called when this rank's tensor-parallel group broke; ``serve`` stops the process.
         self.on_group_lost: Callable[[], None] = lambda: None
+        self._step_calls = 0  # Step calls and Steps streams in flight
+        self._no_step_calls = asyncio.Event()
+        self._no_step_calls.set()
 
     def load(self) -> None:
         """Load the model, size the KV cache, warm up (runs on the step thread)."""
@@ -128,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 queued.put_nowait(None)
 
         reader = asyncio.create_task(read(), name="steps-reader")
+        self._step_call_began()
         try:
             while (item := await queued.get()) is not None:
                 step_id, answer = item
@@ -141,6 +144,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             stream.ended = True
             reader.cancel()
+            self._step_call_ended()
+
+    def _step_call_began(self) -> None:
+        self._step_calls += 1
+        self._no_step_calls.clear()
+
+    def _step_call_ended(self) -> None:
+        self._step_calls -= 1
+        if not self._step_calls:
+            self._no_step_calls.set()
+
+    async def step_calls_ended(self) -> None:
+        """Returns once no Step call or Steps stream is in flight (no scheduler attached)."""
+        await self._no_step_calls.wait()
 
     def _stream_step(self, step_id: int, step: StepInput | Exception,
                      stream: _StreamState) -> StepOutput | worker_pb2.StepsResponse:
@@ -168,11 +185,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _run(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         self._check_ready()
         loop = asyncio.get_running_loop()
+        self._step_call_began()
         try:
             return await loop.run_in_executor(self.executor, self._step, request)
         except GroupLost:
             self._group_lost()
             raise
+        finally:
+            self._step_call_ended()
 
     def _group_lost(self) -> None:
         log.error("worker %d lost its tensor-parallel group; stopping", self.config.rank)
@@ -274,16 +294,22 @@ async def _warm_up(servicer: WorkerServicer, server: GrpcServer) -> None:
     log.info("worker %d ready: %s", servicer.config.rank, servicer.describe.device)
 
 
-async def shutdown(worker: RunningWorker, grace: float = SHUTDOWN_GRACE_S) -> None:
-    """Stop a worker in order.
+async def shutdown(worker: RunningWorker) -> None:
+    """Stop a worker in order, within its ``shutdown_grace_s`` (the grace) and then some.
 
-    Health NOT_SERVING (probes and schedulers see it first) -> ``server.stop(grace)``
-    (new calls refused, the in-flight step may finish) -> close the health port -> cancel
-    a warm-up still running -> join the step thread -> detach from the segment -> remove
-    the socket -> stop serving metrics. The segment itself belongs to the scheduler and is
-    left alone.
+    While a scheduler keeps a Steps stream open (or a Step call runs), serve on as before,
+    health SERVING, for up to the grace: a scheduler stopping at the same time (Kubernetes
+    stops a cell's pods together) still runs its streams' last steps here, and closes its
+    streams when done; a NOT_SERVING worker would count as lost to it and fail them all.
+    Then health NOT_SERVING -> ``server.stop(0)`` (what is still open is no step: health
+    watches, a Describe) -> close the health port -> cancel a warm-up still running -> join
+    the step thread -> detach from the segment -> remove the socket -> stop serving
+    metrics. The segment itself belongs to the scheduler and is left alone.
     """
-    await worker.grpc.stop(grace)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(worker.servicer.step_calls_ended(),
+                               worker.config.shutdown_grace_s)
+    await worker.grpc.stop(0)
     worker.warmup.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await worker.warmup

@@ -10,10 +10,12 @@ port; `ServingContainer` holds what differs between the three.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.shutdown import STOP_MARGIN_S
 from tandem_operator.placement import resource_amount
 from tandem_operator.spec import Resources, TandemSpec
 
@@ -118,6 +120,21 @@ def resource_env(spec: TandemSpec, cell: int | None = None) -> list[dict[str, An
     ]
 
 
+def shutdown_grace(spec: TandemSpec, role: str) -> float:
+    """TANDEM_SHUTDOWN_GRACE of a serving container: the spec's grace; a worker's is longer
+    by the stop margin. Stopping a cell stops its scheduler and workers together, in no set
+    order (their StatefulSets are separate): a worker serves its scheduler's steps while the
+    scheduler streams to it (worker_svc.server.shutdown), and must not give up before the
+    scheduler's grace and its last step are over."""
+    return spec.shutdown_grace + (STOP_MARGIN_S if role == "worker" else 0.0)
+
+
+def termination_grace(spec: TandemSpec, role: str) -> int:
+    """terminationGracePeriodSeconds of a serving pod: its process's grace plus the margin
+    to stop in order (engine, channels, segment, traces) before the kubelet kills it."""
+    return math.ceil(shutdown_grace(spec, role) + STOP_MARGIN_S)
+
+
 def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
     """The scheduler, a worker or the router container."""
     ports = [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}
@@ -134,7 +151,9 @@ def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
         "command": ["tandem", c.role],
         "ports": ports,
         "envFrom": [{"configMapRef": {"name": c.config_map}}],
-        "env": [*c.env, dict(SCRATCH_ENV), *resource_env(spec, c.cell),
+        "env": [*c.env, {"name": "TANDEM_SHUTDOWN_GRACE",
+                         "value": f"{shutdown_grace(spec, c.role):g}"},
+                dict(SCRATCH_ENV), *resource_env(spec, c.cell),
                 *({"name": k, "value": v} for k, v in c.user_env)],
         "resources": dict(c.resources),
         "volumeMounts": [dict(m) for m in c.mounts],
@@ -148,16 +167,16 @@ def pull_secrets(spec: TandemSpec) -> list[dict[str, str]]:
     return [{"name": s} for s in spec.pull_secrets]
 
 
-def serving_pod_spec(spec: TandemSpec, containers: list[dict[str, Any]],
+def serving_pod_spec(spec: TandemSpec, role: str, containers: list[dict[str, Any]],
                      volumes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The pod of serving containers: the pods' user and group with seccomp RuntimeDefault, no
-    service-link variables (a Service named `tandem` would inject TANDEM_PORT and the like
-    among the TANDEM_* settings), 30 s grace."""
+    """The pod of serving containers of `role`: the pods' user and group with seccomp
+    RuntimeDefault, no service-link variables (a Service named `tandem` would inject
+    TANDEM_PORT and the like among the TANDEM_* settings), the grace `termination_grace`."""
     pod: dict[str, Any] = {
         "securityContext": {"runAsUser": spec.run_as_user, "runAsGroup": spec.run_as_group,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace(spec, role),
         "containers": containers,
         "volumes": volumes,
     }

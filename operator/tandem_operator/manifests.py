@@ -105,8 +105,17 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
         **tensor_parallel_config(spec, cell.index),
         **tls_config(spec),
         **http_config(spec),
+        **served_names_config(spec),
     }
     return data | tracing_config(spec)
+
+
+def served_names_config(spec: TandemSpec) -> dict[str, str]:
+    """TANDEM_SERVED_MODEL_NAME of the schedulers (workers ignore it), when the spec names
+    the model; empty otherwise, so such cells' hash stays as it was. The router reports and
+    accepts its cells' names."""
+    names = spec.model.served_names
+    return {"TANDEM_SERVED_MODEL_NAME": ",".join(names)} if names else {}
 
 
 def http_config(spec: TandemSpec) -> dict[str, str]:

@@ -101,7 +101,7 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
 
 
 def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
-    pod_spec = serving_pod_spec(spec, [_container(spec)],
+    pod_spec = serving_pod_spec(spec, "router", [_container(spec)],
                                 [scratch_volume(), *tls_volumes(spec)[0]])
     return {
         "apiVersion": "apps/v1",

@@ -3,7 +3,8 @@
 The CRD (charts/tandem/crds/tandemservices.tandem.dev.yaml) is the single source of defaults:
 the apiserver fills them in before the operator sees an object, so `parse_spec` indexes the
 fields it needs instead of repeating the defaults here. A missing field therefore means the
-CRD was not installed from the chart, and says so.
+CRD was not installed from the chart, and says so. One exception: `shutdownGraceSeconds`
+has no CRD default; a spec without it gets the services' own (tandem.shutdown), defined once.
 
 The CRD's CEL rules are another matter: an apiserver with CEL validation off drops them
 silently, so `parse_spec` repeats every one (tests/test_crd_cel.py holds one violating object
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+
+from tandem.shutdown import DEFAULT_GRACE_S
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -71,6 +74,7 @@ class ModelSpec:
     claim_name: str  # PersistentVolumeClaim mounted read-only at `path` ("" = none)
     sub_path: str  # the claim's directory mounted there ("" = its root)
     host_path: str  # the node's directory mounted read-only at `path` ("" = none)
+    served_names: tuple[str, ...]  # TANDEM_SERVED_MODEL_NAME (() = `setting` is the name)
 
     @property
     def setting(self) -> str:
@@ -192,6 +196,7 @@ class TandemSpec:
     router: RouterSpec
     tls: TlsSpec
     http: HttpSpec
+    shutdown_grace: float  # seconds running streams may finish on SIGTERM
 
     @property
     def cache_bytes_requested(self) -> int:
@@ -260,7 +265,8 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         namespace=namespace,
         model=ModelSpec(name=model["name"], path=model.get("path", ""),
                         claim_name=model.get("claimName", ""),
-                        sub_path=model.get("subPath", ""), host_path=model.get("hostPath", "")),
+                        sub_path=model.get("subPath", ""), host_path=model.get("hostPath", ""),
+                        served_names=tuple(model.get("servedNames", ()))),
         cells=s["cells"],
         pull_policy=image["pullPolicy"],
         pull_secrets=tuple(image.get("pullSecrets") or ()),
@@ -293,6 +299,7 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         ),
         tls=TlsSpec(s["tls"].get("secretName", ""), s["tls"].get("clientCASecretName", "")),
         http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
+        shutdown_grace=float(s.get("shutdownGraceSeconds", DEFAULT_GRACE_S)),
     )
 
 

@@ -181,7 +181,7 @@ def _container(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
 def build_pod_template(spec: TandemSpec, cell: Cell, component: str) -> dict[str, Any]:
     """The pod of a cell's scheduler or worker; also what the operator dry-runs to learn
     whether Pod Security admission would let the StatefulSet create it."""
-    pod_spec = serving_pod_spec(spec, [_container(spec, cell, component)],
+    pod_spec = serving_pod_spec(spec, component, [_container(spec, cell, component)],
                                 _volumes(spec, cell, component))
     pod_spec["affinity"] = _affinity(spec, cell, component)
     pod_spec["initContainers"] = [_prepare_container(spec, cell, prune=(

@@ -12,6 +12,11 @@ an error after that is one SSE event holding the error object, then ``[DONE]``.
 
 Disconnects: a client that goes away cancels the request (streamed or not), which closes
 the backend's iterator, and the cell frees the request's KV blocks and SHM references.
+
+Sizes (:mod:`tandem.request_limits`): a body over the port's cap is refused with 413 as
+it arrives (:class:`BodyLimit`), an image count over the cell's limit with 400 before any
+remote image is fetched, and a ``data:`` URI too long for the image limit with 413 before
+it is decoded.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -32,10 +38,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import tracing
-from tandem.errors import InvalidInput, NotFound, TandemError, http_error, http_headers
+from tandem.errors import InvalidInput, RequestTooLarge, TandemError, http_error, http_headers
 from tandem.openai_api import convert, schema
 from tandem.openai_api.backend import Backend
 from tandem.openai_api.remote_images import RemoteImageFetcher
+from tandem.request_limits import check_image_count
 from tandem.v1 import generate_pb2
 
 T = TypeVar("T")
@@ -47,32 +54,38 @@ class _Disconnected(Exception):
     """The client closed the connection before the answer was ready."""
 
 
-def create_app(backend: Backend, fetcher: RemoteImageFetcher | None = None) -> FastAPI:
-    """The app over ``backend``; ``fetcher`` set = remote image URLs are allowed."""
+def create_app(backend: Backend, max_body_bytes: int,
+               fetcher: RemoteImageFetcher | None = None) -> FastAPI:
+    """The app over ``backend``, refusing bodies over ``max_body_bytes``; ``fetcher`` set
+    = remote image URLs are allowed."""
     # NOTE: FastAPI's own OpenTelemetry (on by default since 0.142) is off: its logs record
     # validation failures with the input, and prompts never go into telemetry here;
     # ServerSpans makes the one server span, the twin of the gRPC port's.
     app = FastAPI(title="Tandem OpenAI-compatible API", openapi_url=None, docs_url=None,
                   redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
-    app.add_middleware(ServerSpans)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ServerSpans)  # added last: the outer one, so a 413 has its span too
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_exception)  # type: ignore[arg-type]
     started = int(time.time())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: schema.ChatCompletionRequest, request: Request) -> Response:
-        async def convert_request(request_id: str) -> generate_pb2.GenerateRequest:
-            fetched = {}
-            for url in convert.remote_image_urls(body):
-                if fetcher is not None:
-                    fetched[url] = await fetcher.fetch(url, "messages")
-            return convert.chat_request(body, request_id, fetched)
+        async def convert_request(request_id: str, info: generate_pb2.GetModelInfoResponse,
+                                  ) -> generate_pb2.GenerateRequest:
+            limits = info.image_limits  # unset (0 images) when the model takes none
+            check_image_count(len(convert.image_urls(body)), limits.max_images_per_request)
+            remote = convert.remote_image_urls(body)
+            fetched = ({} if fetcher is None or not remote else
+                       await fetcher.fetch_all(remote, "messages", limits.max_image_bytes))
+            return convert.chat_request(body, request_id, fetched, limits.max_image_bytes)
 
         return await _complete(request, backend, body, "chatcmpl", convert_request)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: schema.CompletionRequest, request: Request) -> Response:
-        async def convert_request(request_id: str) -> generate_pb2.GenerateRequest:
+        async def convert_request(request_id: str, info: generate_pb2.GetModelInfoResponse,
+                                  ) -> generate_pb2.GenerateRequest:
             return convert.completion_request(body, request_id)
 
         return await _complete(request, backend, body, "cmpl", convert_request)
@@ -90,17 +103,16 @@ def create_app(backend: Backend, fetcher: RemoteImageFetcher | None = None) -> F
 
 async def _complete(request: Request, backend: Backend,
                     body: schema.ChatCompletionRequest | schema.CompletionRequest, prefix: str,
-                    convert_request: Callable[[str], Awaitable[generate_pb2.GenerateRequest]],
+                    convert_request: Callable[[str, generate_pb2.GetModelInfoResponse],
+                                              Awaitable[generate_pb2.GenerateRequest]],
                     ) -> Response:
     """Both completion endpoints: check the model, convert, generate, answer."""
     chat = isinstance(body, schema.ChatCompletionRequest)
     with_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
     try:
         info = await backend.model_info()
-        if body.model != info.model_id:
-            raise NotFound(f"the model {body.model!r} is not served here (this server serves "
-                           f"{info.model_id!r}; see GET /v1/models)", "MODEL_NOT_FOUND", "model")
-        msg = await convert_request(request.headers.get(REQUEST_ID_HEADER, ""))
+        convert.check_model(body.model, info)
+        msg = await convert_request(request.headers.get(REQUEST_ID_HEADER, ""), info)
         stream = backend.generate(msg)
         if body.stream:
             first = await _unless_disconnected(request, anext(stream))
@@ -207,6 +219,59 @@ async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: "
                                               f"{exc.detail}", "type": kind, "param": None,
                                    "code": None}}, status_code=exc.status_code)
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` with 413 while it arrives: at once when
+    its Content-Length says so, else (chunked) as soon as the bytes received pass it, so
+    an oversize body is never held whole. A body within the cap is read here and handed
+    on as it came (the app would read it whole anyway).
+
+    NOTE: the connection stays open, and uvicorn reads and drops (never holds) what the
+    client still sends. Closing it at once would reset it under the unread bytes, and a
+    client still sending its body (every SDK does) would see a connection error instead
+    of the 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        received: deque[Message] = deque()
+        size = 0
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":  # the client left: the app sees it
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            # popped, not kept: the app's copy of the body is the only one left
+            return received.popleft() if received else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        status, error = http_error(RequestTooLarge(
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes"))
+        body = json.dumps(error).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class ServerSpans:

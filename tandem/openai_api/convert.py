@@ -4,19 +4,22 @@ Pure functions (the streams only iterate what they are given), tested without a 
 Every OpenAI field maps onto a ``GenerateRequest`` field; the scheduler then validates
 the values exactly as it does for gRPC, so both APIs accept and refuse the same requests.
 What the proto cannot express is refused here, with the field named: ``n`` other than 1,
-images given as remote URLs that were not fetched, ``echo`` and ``suffix``.
+several prompts in one request, images given as remote URLs that were not fetched,
+``echo``, ``suffix`` and a ``response_format`` other than ``text``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.errors import InvalidInput
+from tandem.errors import InvalidInput, NotFound, RequestTooLarge
 from tandem.openai_api import schema
+from tandem.request_limits import base64_length
 from tandem.v1 import generate_pb2
 
 # OpenAI's temperature default (the proto's 0 would mean greedy decoding).
@@ -44,13 +47,25 @@ class ResponseMeta:
 
 # --- requests ----------------------------------------------------------------------------
 
+def check_model(model: str, info: generate_pb2.GetModelInfoResponse) -> None:
+    """A request's ``model`` must be one of the served names (404 ``model_not_found``
+    otherwise, as OpenAI answers)."""
+    names = list(info.served_model_names) or [info.model_id]  # a cell from before the names
+    if model not in names:
+        served = ", ".join(f"`{n}`" for n in names)
+        raise NotFound(f"The model `{model}` does not exist (this server serves {served}; "
+                       "see GET /v1/models)", "MODEL_NOT_FOUND", "model")
+
+
 def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                  fetched: Mapping[str, tuple[bytes, str]] | None = None,
-                 ) -> generate_pb2.GenerateRequest:
+                 max_image_bytes: int | None = None) -> generate_pb2.GenerateRequest:
     """A chat completion request as a GenerateRequest in chat form.
 
     ``fetched``: remote image URL -> (bytes, MIME type) for the URLs the server fetched
     (only when remote images are enabled); any other non-``data:`` URL is refused.
+    ``max_image_bytes``: the cell's image limit; a ``data:`` URI too long to fit it is
+    refused before it is decoded (None: no check here, the cell's alone).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidInput("top_logprobs needs logprobs: true", "BAD_SAMPLING", "top_logprobs")
@@ -70,7 +85,8 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                 out.content.add(text=part.text)
             else:
                 param = f"messages[{i}].content[{j}].image_url.url"
-                out.content.add(image=media_item(part.image_url.url, param, fetched or {}))
+                out.content.add(image=media_item(part.image_url.url, param, fetched or {},
+                                                 max_image_bytes))
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)
     msg.sampling.CopyFrom(sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0))
@@ -79,22 +95,32 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
 
 def completion_request(req: schema.CompletionRequest,
                        request_id: str = "") -> generate_pb2.GenerateRequest:
-    """A (legacy) completion request: one prompt string, tokenized as is."""
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise InvalidInput(f"prompt must be one string (a list of {len(prompt)} was given; "
-                               "send one request per prompt)", "INVALID_INPUT", "prompt")
-        prompt = prompt[0]
+    """A (legacy) completion request: one prompt, a string tokenized as is or token ids
+    used as they are."""
+    prompt = _one_prompt(req.prompt)
     if req.echo:
         raise InvalidInput("echo is not supported", "UNSUPPORTED", "echo")
     if req.suffix:
         raise InvalidInput("suffix is not supported", "UNSUPPORTED", "suffix")
-    msg = generate_pb2.GenerateRequest(request_id=request_id, prompt=prompt,
-                                       cache_salt=req.cache_salt or "")
+    msg = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=req.cache_salt or "")
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    else:
+        msg.prompt_token_ids.extend(prompt)
     msg.sampling.CopyFrom(sampling(req, req.max_tokens, req.logprobs is not None,
                                    req.logprobs or 0))
     return msg
+
+
+def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+    """The prompt as a string or token ids: ``"text"``, ``["text"]``, ``[1, 2]`` or
+    ``[[1, 2]]``; a list of several prompts is refused (one request, one choice)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) != 1:
+        raise InvalidInput(f"prompt must be one prompt (a list of {len(prompt)} was given; "
+                           "send one request per prompt)", "INVALID_INPUT", "prompt")
+    return prompt[0]  # type: ignore[return-value]
 
 
 def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
@@ -103,6 +129,14 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
     if req.n != 1:
         raise InvalidInput(f"n must be 1 (got {req.n}): send one request per choice",
                            "UNSUPPORTED", "n")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI's own refusal, word for word.
+        raise InvalidInput("The 'stream_options' parameter is only allowed when 'stream' is "
+                           "enabled.", "INVALID_REQUEST", "stream_options")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidInput(f"response_format {req.response_format.type!r} is not supported "
+                           "(structured output is not served here; only 'text')",
+                           "UNSUPPORTED", "response_format")
     s = generate_pb2.SamplingParams(
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_k=req.top_k or 0, min_p=req.min_p or 0.0,
@@ -123,8 +157,8 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
     return s
 
 
-def media_item(url: str, param: str,
-               fetched: Mapping[str, tuple[bytes, str]]) -> generate_pb2.MediaItem:
+def media_item(url: str, param: str, fetched: Mapping[str, tuple[bytes, str]],
+               max_image_bytes: int | None = None) -> generate_pb2.MediaItem:
     """One ``image_url``: a base64 ``data:`` URI, or a remote URL the server fetched."""
     if url in fetched:
         data, mime = fetched[url]
@@ -138,6 +172,9 @@ def media_item(url: str, param: str,
     if not comma or "base64" not in params:
         raise InvalidInput("an image data: URI must be base64 (data:image/png;base64,...)",
                            "BAD_IMAGE", param)
+    if max_image_bytes is not None and len(payload) > base64_length(max_image_bytes):
+        raise RequestTooLarge(f"the image is larger than {max_image_bytes} bytes (its "
+                              f"base64 is {len(payload)} characters)", param=param)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -146,11 +183,15 @@ def media_item(url: str, param: str,
     return generate_pb2.MediaItem(encoded=data, mime_type=mime)
 
 
+def image_urls(req: schema.ChatCompletionRequest) -> list[str]:
+    """The request's image URLs (``data:`` URIs and remote ones), in order."""
+    return [part.image_url.url for m in req.messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, schema.ImageContent)]
+
+
 def remote_image_urls(req: schema.ChatCompletionRequest) -> list[str]:
     """The request's image URLs that are not ``data:`` URIs, in order."""
-    return [part.image_url.url for m in req.messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, schema.ImageContent)
-            and not part.image_url.url.startswith(DATA_URI_PREFIX)]
+    return [url for url in image_urls(req) if not url.startswith(DATA_URI_PREFIX)]
 
 
 # --- responses ---------------------------------------------------------------------------
@@ -191,26 +232,54 @@ def finish_reason(msg: generate_pb2.GenerateResponse) -> str | None:
 def chat_logprobs(positions: Iterable[generate_pb2.PositionLogprobs],
                   ) -> schema.ChoiceLogprobs:
     def top(t: generate_pb2.TokenLogprob) -> schema.TopLogprob:
-        return schema.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
+        return schema.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.token_bytes))
 
     return schema.ChoiceLogprobs(content=[
         schema.TokenLogprob(**top(p.token).model_dump(), top_logprobs=[
             top(t) for t in p.top_logprobs]) for p in positions])
 
 
+class TextOffsets:
+    """Where each token of one output starts in its text (the legacy ``text_offset``),
+    counted on the tokens' bytes as the text was decoded from them: a token holding part
+    of a character starts where that character does, bytes that make no character count
+    as the U+FFFD the text shows for them, and a special token, which the text skips,
+    adds nothing. (Counting each token's own decoded text instead would count a
+    U+FFFD for every piece of a split character.)"""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0  # characters decoded so far
+
+    def next(self, token: generate_pb2.TokenLogprob) -> int:
+        """The offset of ``token``, the output's next token."""
+        if token.special:
+            return self._chars
+        pending, _ = self._utf8.getstate()  # bytes of a character not finished yet
+        offset = self._chars
+        if pending and not _continues(pending, token.token_bytes):
+            offset += len(pending.decode("utf-8", "replace"))  # they were not one: U+FFFD
+        self._chars += len(self._utf8.decode(token.token_bytes))
+        return offset
+
+
+def _continues(pending: bytes, data: bytes) -> bool:
+    """Whether ``data``'s first byte carries on the unfinished character ``pending``."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(pending + data[:1])
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
-                        offset: int) -> schema.CompletionLogprobs:
-    """The legacy form; ``offset`` is where the first token's text starts in the output
-    (offsets count each token's own decoded text)."""
-    offsets = []
-    for p in positions:
-        offsets.append(offset)
-        offset += len(p.token.text)
+                        offsets: TextOffsets) -> schema.CompletionLogprobs:
+    """The legacy form; ``offsets`` has seen the output's earlier tokens."""
     return schema.CompletionLogprobs(
         tokens=[p.token.text for p in positions],
         token_logprobs=[p.token.logprob for p in positions],
         top_logprobs=[{t.text: t.logprob for t in p.top_logprobs} for p in positions],
-        text_offset=offsets)
+        text_offset=[offsets.next(p.token) for p in positions])
 
 
 def chat_completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
@@ -234,7 +303,8 @@ def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta
         id=meta.id, created=meta.created, model=meta.model,
         choices=[schema.CompletionChoice(
             text="".join(m.text for m in msgs),
-            logprobs=(completion_logprobs([p for m in msgs for p in m.logprobs], 0)
+            logprobs=(completion_logprobs([p for m in msgs for p in m.logprobs],
+                                          TextOffsets())
                       if with_logprobs else None),
             finish_reason=finish_reason(last) or "abort")],
         usage=usage(last.usage))
@@ -268,15 +338,14 @@ async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: 
 async def completion_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse],
                             meta: ResponseMeta, with_logprobs: bool, include_usage: bool,
                             ) -> AsyncIterator[schema.Completion]:
-    offset = 0
+    offsets = TextOffsets()
     last = None
     async for last in msgs:
         if not (last.text or last.logprobs or last.finish_reason):
             continue
         choice = schema.CompletionChoice(text=last.text, finish_reason=finish_reason(last))
         if with_logprobs:
-            choice.logprobs = completion_logprobs(last.logprobs, offset)
-            offset += sum(len(p.token.text) for p in last.logprobs)
+            choice.logprobs = completion_logprobs(last.logprobs, offsets)
         yield schema.Completion(id=meta.id, created=meta.created, model=meta.model,
                                 choices=[choice])
     if include_usage and last is not None:

@@ -74,12 +74,15 @@ class HttpServer:
     fetcher: RemoteImageFetcher | None = None
 
     @classmethod
-    async def start(cls, backend: Backend, config: HttpConfig, tls: TlsFiles) -> HttpServer:
-        """Serve the app over ``backend`` on ``config.listen``."""
+    async def start(cls, backend: Backend, config: HttpConfig, tls: TlsFiles,
+                    max_body_bytes: int) -> HttpServer:
+        """Serve the app over ``backend`` on ``config.listen``, refusing request bodies
+        over ``max_body_bytes`` (:func:`tandem.request_limits.max_http_body_bytes`)."""
         fetcher = (RemoteImageFetcher(config.remote_images) if config.allow_remote_images
                    else None)
         try:
-            return await cls._start(create_app(backend, fetcher), config.listen, tls, fetcher)
+            return await cls._start(create_app(backend, max_body_bytes, fetcher),
+                                    config.listen, tls, fetcher)
         except BaseException:
             if fetcher is not None:
                 await fetcher.close()

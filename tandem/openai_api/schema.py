@@ -1,9 +1,10 @@
 """The OpenAI HTTP API's request and response bodies, as pydantic models.
 
 Only what Tandem serves is declared. Requests forbid unknown fields, so a client asking for
-something Tandem does not do (``tools``, ``response_format``, ...) gets a 400 naming the
+something Tandem does not do (``tools``, ``logit_bias``, ...) gets a 400 naming the
 field rather than an answer that silently ignored it; the few fields every SDK sends and
-that change nothing here (``user``) are declared and ignored. Tandem's own extensions
+that change nothing here (``user``) are declared and ignored. A ``null`` field is the
+same as an absent one, as in OpenAI's API. Tandem's own extensions
 follow vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``) plus ``cache_salt``.
 Field ranges are checked by the scheduler (one rule set for gRPC and HTTP), not here.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # What the proto's integer fields can hold: out-of-range values are refused here, by name,
 # rather than by protobuf's setter deep inside the conversion.
@@ -25,9 +26,25 @@ I32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A ``null`` field means its default, as in OpenAI's API (SDKs and proxies send
+        ``"n": null``); so a field this server does not serve is refused only when set."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    """Only ``text`` is served; the others are refused by name (not silently ignored)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class SamplingFields(_Request):
@@ -51,6 +68,7 @@ class SamplingFields(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     cache_salt: str | None = None
     user: str | None = None  # accepted, unused
 
@@ -87,8 +105,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    # One prompt string (a list holding exactly one is accepted, as the SDK may send it).
-    prompt: str | list[str]
+    # One prompt: a string or token ids; a list holding exactly one is accepted, as the
+    # SDK may send it (several prompts in one request are refused: send one each).
+    prompt: str | list[str] | list[U32] | list[list[U32]]
     logprobs: U32 | None = None  # how many top tokens per position (OpenAI: 0..5)
     echo: bool = False
     suffix: str | None = None

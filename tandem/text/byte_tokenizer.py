@@ -68,6 +68,14 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", "replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < NUM_BYTE_TOKENS:
+            return bytes((token_id,))
+        return _NAMES.get(token_id, "").encode()
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in _NAMES
+
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, _NAMES.keys())
 

@@ -16,21 +16,24 @@ and so what this does (facts from its source, the code is ours):
   does not stream).
 
 Special ids: BOS is ``bos_token`` of ``tokenizer_config.json`` (None if unset); the EOS
-ids are ``eos_token_id`` of ``generation_config.json`` (an int or a list, what
-``generate`` stops at), else of ``config.json`` (or its ``text_config``), else the
-tokenizer's ``eos_token``; PAD is ``pad_token``, else ``pad_token_id`` of the generation
-config. The image placeholder is ``image_token_id`` of ``config.json``, wrapped in
-``vision_start_token_id``/``vision_end_token_id`` when the config has them (Qwen2-VL).
+ids and the image placeholder ids are those of the config files, read as the workers read
+them (``tandem.checkpoint_ids``: Qwen2-VL's defaults included), the EOS ids falling back to
+the tokenizer's ``eos_token`` when the config files name none; PAD is ``pad_token``, else
+``pad_token_id`` of the generation config. The image placeholder ``image_token_id`` is
+wrapped in ``vision_start_token_id``/``vision_end_token_id`` when there are such ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
+from tandem.checkpoint_ids import CheckpointIds, checkpoint_ids, id_list
 from tandem.errors import InvalidInput
 from tandem.text.chat_template import ChatMessage, ChatTemplate, load_chat_template
 from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
@@ -55,8 +58,10 @@ class HFTokenizer:
         self._image = image
         self._template = template
         self._model_dir = model_dir
-        self._special_ids = frozenset(
-            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_text = {i: tok.content for i, tok in added.items()}
+        self._piece_bytes = _piece_decoder(backend)
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @property
@@ -76,6 +81,18 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added_text:  # added tokens are stored as plain text
+            return self._added_text[token_id].encode()
+        piece = self._backend.id_to_token(token_id)
+        raw = None if piece is None else self._piece_bytes(piece)
+        if raw is None:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return raw
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, self._special_ids)
@@ -112,8 +129,9 @@ class HFTokenizer:
                               f"{token_vars[key]!r} is not in {TOKENIZER_FILE}'s vocabulary")
             return tid
 
-        eos_ids = (_ids(gen_config, "eos_token_id", root / GENERATION_CONFIG_FILE)
-                   or _ids(_text_config(model_config), "eos_token_id", root / CONFIG_FILE))
+        named = checkpoint_ids(model_config, root / CONFIG_FILE, gen_config,
+                               root / GENERATION_CONFIG_FILE)  # as the workers read them
+        eos_ids = named.eos
         if not eos_ids:
             eos = token_id("eos_token")
             if eos is None:
@@ -123,7 +141,7 @@ class HFTokenizer:
             eos_ids = (eos,)
         pad_id = token_id("pad_token")
         if pad_id is None:
-            pad = _ids(gen_config, "pad_token_id", root / GENERATION_CONFIG_FILE)
+            pad = id_list(gen_config, "pad_token_id", root / GENERATION_CONFIG_FILE)
             pad_id = pad[0] if pad else None
         special = SpecialTokens(bos_id=token_id("bos_token"), eos_ids=eos_ids, pad_id=pad_id)
         vocab = backend.get_vocab_size(with_added_tokens=True)
@@ -133,9 +151,40 @@ class HFTokenizer:
                 where = (root / GENERATION_CONFIG_FILE if name in gen_config
                          else root / CONFIG_FILE)
                 raise bad_key(where, name, f"{bad} outside the tokenizer's {vocab} ids")
-        image = _image_tokens(backend, model_config, root / CONFIG_FILE)
+        image = _image_tokens(backend, named, root / CONFIG_FILE)
         template = load_chat_template(root, tok_config, token_vars)
         return cls(backend, special, image, template, root)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's scheme, which Qwen, Llama 3 and
+    SmolLM2 keep): printable Latin-1 bytes stand for themselves, the other bytes take the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+def _piece_decoder(backend: tokenizers.Tokenizer) -> Callable[[str], bytes | None]:
+    """A vocabulary piece -> the bytes it stands for, by the tokenizer's decoder: byte-level
+    pieces map character by character, byte-fallback pieces (``<0xF0>``) are one byte;
+    None = not such a piece (its bytes are then its decoded text's)."""
+    state = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    kinds = {d.get("type") for d in state.get("decoders", [state])}
+
+    def piece_bytes(piece: str) -> bytes | None:
+        if "ByteLevel" in kinds and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes((int(piece[3:5], 16),))
+        return None
+
+    return piece_bytes
 
 
 def _backend(path: Path) -> tokenizers.Tokenizer:
@@ -198,36 +247,19 @@ def _token_variables(config: Mapping[str, Any], path: Path) -> dict[str, str]:
     return out
 
 
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The decoder's part of config.json: nested (current VLM form) or the top level."""
-    nested = config.get("text_config")
-    if isinstance(nested, dict) and "eos_token_id" in nested and "eos_token_id" not in config:
-        return nested
-    return config
-
-
-def _ids(config: Mapping[str, Any], key: str, path: Path) -> tuple[int, ...]:
-    value = config.get(key)
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise bad_key(path, key, f"must be an integer or a list of integers, got {value!r}")
-    return tuple(values)
-
-
-def _image_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any],
+def _image_tokens(backend: tokenizers.Tokenizer, ids: CheckpointIds,
                   path: Path) -> ImageTokens | None:
-    pad = _ids(config, "image_token_id", path)
-    if not pad:
+    """The placeholder, its marker text wrapped in the vision start and end tokens."""
+    if ids.image is None:
         return None
-    parts = []
-    for key in ("vision_start_token_id", "image_token_id", "vision_end_token_id"):
-        ids = _ids(config, key, path)
-        if not ids:
+    texts = {}
+    for key, tid in (("image_token_id", ids.image), ("vision_start_token_id", ids.vision_start),
+                     ("vision_end_token_id", ids.vision_end)):
+        if tid is None:
             continue
-        text = backend.id_to_token(ids[0])
-        if text is None:
-            raise bad_key(path, key, f"{ids[0]} is not in {TOKENIZER_FILE}'s vocabulary")
-        parts.append(text)
-    return ImageTokens(marker="".join(parts), pad_id=pad[0])
+        texts[key] = backend.id_to_token(tid)
+        if texts[key] is None:
+            raise bad_key(path, key, f"{tid} is not in {TOKENIZER_FILE}'s vocabulary")
+    marker = "".join(texts.get(k, "") for k in ("vision_start_token_id", "image_token_id",
+                                                "vision_end_token_id"))
+    return ImageTokens(marker=marker, pad_id=ids.image)

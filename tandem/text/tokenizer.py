@@ -71,6 +71,16 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, which may be part of a character's UTF-8 (a
+        special token's: its text's). The logprobs' ``bytes``: decoding one such token
+        alone would show U+FFFD instead."""
+        ...
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with ``skip_special_tokens`` drops ``token_id``."""
+        ...
+
     def incremental_decoder(self) -> IncrementalDecoder:
         """A fresh streaming decoder (special tokens skipped) for one request's output."""
         ...

@@ -115,20 +115,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "cache_salt", "messages")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "cache_salt", "messages", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[MediaItem]
     sampling: SamplingParams
     cache_salt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs", "images")
@@ -167,14 +169,18 @@ class ImageUsage(_message.Message):
     def __init__(self, key: _Optional[str] = ..., processor_cache: _Optional[_Union[ProcessorCacheResult, str]] = ..., refused_reason: _Optional[str] = ..., transport: _Optional[_Union[ImageTransport, str]] = ..., encoder: _Optional[_Union[EncoderResult, str]] = ..., cached_tokens: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "text", "logprob")
+    __slots__ = ("token_id", "text", "logprob", "token_bytes", "special")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+    token_bytes: bytes
+    special: bool
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ..., special: _Optional[bool] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
     __slots__ = ("token", "top_logprobs")
@@ -269,7 +275,7 @@ class ImageLimits(_message.Message):
     def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_input_pixels: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_type", "max_context_length", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "vocab_size", "eos_token_ids", "has_chat_template", "image_limits", "mm_cache_type", "prefix_caching")
+    __slots__ = ("model_id", "model_type", "max_context_length", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "vocab_size", "eos_token_ids", "has_chat_template", "image_limits", "mm_cache_type", "prefix_caching", "served_model_names")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +288,7 @@ class GetModelInfoResponse(_message.Message):
     IMAGE_LIMITS_FIELD_NUMBER: _ClassVar[int]
     MM_CACHE_TYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     max_context_length: int
@@ -294,4 +301,5 @@ class GetModelInfoResponse(_message.Message):
     image_limits: ImageLimits
     mm_cache_type: str
     prefix_caching: bool
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., image_limits: _Optional[_Union[ImageLimits, _Mapping]] = ..., mm_cache_type: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., image_limits: _Optional[_Union[ImageLimits, _Mapping]] = ..., mm_cache_type: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
