@@ -202,7 +202,8 @@ class DeliveryLedger:
             for i in indices:
                 f, media = request.features[i], request.media[i]
                 trace = request.trace if first else None
-                with image_span(trace, f.identifier, f.mm_position.length, media) as span:
+                with image_span(trace, f.identifier, f.mm_position.length,
+                                request.media_bytes[i]) as span:
                     data, hit = await self._data(f.identifier, media, holding)
                     self.reuse.observe(f.identifier, self.cache.charge(data))
                     if first:

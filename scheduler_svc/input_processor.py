@@ -109,7 +109,7 @@ class InputProcessor:
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=media, trace=trace,
-            image_bytes=sum(im.nbytes for im in images),
+            media_bytes=[im.nbytes for im in images],
             text=OutputText(self.tokenizer.incremental_decoder(), sampling.stop,
                             sampling.include_stop_str_in_output, sampling.min_tokens),
         )
