@@ -43,6 +43,10 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     encoder_cache_embeds: int = 4096  # worker encoder-cache capacity, in embeddings
+    # Admission (scheduler_svc.admission): what may wait to run, by count and by the
+    # client's image bytes; more is refused with RESOURCE_EXHAUSTED / HTTP 429.
+    max_waiting_requests: int = 256
+    max_waiting_image_bytes: int = 512 * 2**20
     min_pixels: int = 0  # images are resized into this range; 0 = the model's
     max_pixels: int = 0
     step_timeout_s: float = 60.0
@@ -60,6 +64,10 @@ class SchedulerConfig:
         if not 0.0 < self.mm_cache_target_fraction <= 1.0:
             raise ValueError(f"--mm-cache-target-fraction must be in (0, 1], got "
                              f"{self.mm_cache_target_fraction}")
+        if self.max_waiting_requests < 1 or self.max_waiting_image_bytes < 0:
+            raise ValueError(f"--max-waiting-requests must be at least 1 and "
+                             f"--max-waiting-image-bytes not negative, got "
+                             f"{self.max_waiting_requests} and {self.max_waiting_image_bytes}")
 
     @property
     def model_names(self) -> tuple[str, ...]:

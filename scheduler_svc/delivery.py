@@ -46,9 +46,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
+from scheduler_svc.input_processor import Offload
 from scheduler_svc.request import Request
 from scheduler_svc.request_trace import image_span
 from tandem.features import FeatureData, MultiModalKwargsItem
@@ -59,8 +60,6 @@ from tandem.v1 import generate_pb2
 
 log = logging.getLogger(__name__)
 
-# Runs CPU-heavy work (decoding, resizing) off the event loop.
-Offload = Callable[[Callable[[], MultiModalKwargsItem]], Awaitable[MultiModalKwargsItem]]
 Process = Callable[[generate_pb2.MediaItem], MultiModalKwargsItem]
 
 
@@ -206,7 +205,8 @@ class DeliveryLedger:
             for i in indices:
                 f, media = request.features[i], request.media[i]
                 trace = request.trace if first else None
-                with image_span(trace, f.identifier, f.mm_position.length, media) as span:
+                with image_span(trace, f.identifier, f.mm_position.length,
+                                request.media_bytes[i]) as span:
                     data, hit = await self._data(f.identifier, media, holding)
                     self.reuse.observe(f.identifier, self.cache.charge(data))
                     if first:

@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from scheduler_svc.admission import Admission
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.delivery import DeliveryLedger, LedgerStats
 from scheduler_svc.encoder_cache import EncoderCacheManager
@@ -42,7 +43,6 @@ from scheduler_svc.step_message import build_step_request
 from scheduler_svc.worker_client import SentStep, StepFailed, WorkerPool
 from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
-from tandem.features import MultiModalKwargsItem
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.reuse_curve import ReuseCurve, capacities_around
 from tandem.shm import ShmError
@@ -50,6 +50,7 @@ from tandem.text import ChatMessage, HFTokenizer, TextPart, Tokenizer, load_toke
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DESCRIBE_TIMEOUT_S = 30.0
 _RECONNECT_TIMEOUT_S = 2.0
@@ -150,6 +151,9 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
         self.ledger: DeliveryLedger | None = None
+        self.admission = Admission(
+            config.max_waiting_requests, config.max_waiting_image_bytes,
+            lambda: self.scheduler.waiting if self.scheduler is not None else ())
 
     async def start(self) -> None:
         """Describe the workers, size the caches from them, start the loop."""
@@ -192,17 +196,7 @@ class Engine:
         """
         if not self.serving or self.inputs is None or self.ledger is None:
             raise Unavailable("the cell is not serving: its workers are not ready")
-        request = self.inputs.to_request(msg, trace)
-        try:
-            await self.ledger.acquire(request)
-        except ShmError as exc:  # the store refused the ledger: our bug, not the input
-            log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
-            raise _internal() from exc
-        try:
-            await self._claim(request.request_id)
-        except BaseException:
-            self.ledger.release(request)
-            raise
+        request = await self._admit(msg, trace)
         assert self.scheduler is not None  # _claim returns only while serving
         self.scheduler.add_request(request)
         if trace is not None:
@@ -219,6 +213,29 @@ class Engine:
         finally:
             if not request.is_finished:
                 self.abort(request)
+
+    async def _admit(self, msg: generate_pb2.GenerateRequest,
+                     trace: RequestTrace | None) -> Request:
+        """``msg`` as a Request holding its images and its id (:meth:`_claim`), within the
+        admission bound (checked before its images are looked at, then with their size
+        before any is acquired). Refused or failed, it holds nothing. It counts as arriving
+        until this returns (waiting for its id included), and the caller queues it before
+        its next await: no other request ever sees it uncounted."""
+        assert self.inputs is not None and self.ledger is not None
+        with self.admission.arrival() as arrival:
+            request = await self.inputs.to_request(msg, self._offload, trace)
+            arrival.hold(request.image_bytes)
+            try:
+                await self.ledger.acquire(request)
+            except ShmError as exc:  # the store refused the ledger: our bug, not the input
+                log.error("acquiring the images of %s failed", request.request_id, exc_info=exc)
+                raise _internal() from exc
+            try:
+                await self._claim(request.request_id)
+            except BaseException:
+                self.ledger.release(request)
+                raise
+        return request
 
     async def _claim(self, request_id: str) -> None:
         """Return once ``request_id`` may be given to a new request, and the cell serves.
@@ -276,7 +293,8 @@ class Engine:
         if not request.is_finished:
             self._fail([request], _internal())
 
-    async def _offload(self, fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:
+    async def _offload(self, fn: Callable[[], T]) -> T:
+        """Run CPU-heavy image work (checks, hashing, decoding) in the image threads."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def _run(self) -> None:

@@ -8,14 +8,19 @@ the order a user fixes things (prompt, images, sampling), each failing with
 of an image comes from its header alone, so a processor-cache hit costs no decoding: the
 delivery ledger (:mod:`scheduler_svc.delivery`) calls :meth:`InputProcessor.process` only
 on a miss.
+
+Both run off the event loop (``Offload``): an image's header check and its content hash
+read every byte of the file (tens of milliseconds for a 20 MiB image, more when a
+request brings eight), which would stop every stream of the cell meanwhile.
 """
 
 from __future__ import annotations
 
 import io
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
 from PIL import Image
@@ -53,12 +58,20 @@ from tandem.text import (
 )
 from tandem.v1 import generate_pb2
 
+T = TypeVar("T")
+
+
+class Offload(Protocol):
+    """Runs CPU-heavy image work (header checks, hashing, decoding) off the event loop."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Image:
     key: str
     num_tokens: int
-    media: generate_pb2.MediaItem
+    nbytes: int  # the client's data: the encoded file, or the raw tensor's bytes
 
 
 class InputProcessor:
@@ -70,16 +83,17 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows (>= the tokenizer's ids)
 
-    def to_request(self, msg: generate_pb2.GenerateRequest,
-                   trace: RequestTrace | None = None) -> Request:
+    async def to_request(self, msg: generate_pb2.GenerateRequest, offload: Offload,
+                         trace: RequestTrace | None = None) -> Request:
         """A validated Request; its features get their data from the delivery ledger.
 
-        Every image is checked from its header here (a bad one fails before any is
-        processed); decoding and processing happen only on a processor-cache miss.
+        Every image is checked from its header and hashed here, through ``offload`` (a bad
+        one fails before any is processed); decoding and processing happen only on a
+        processor-cache miss.
         """
         sampling = self.sampling(msg)
         prompt_ids, media = self._prompt(msg)
-        images = [self._image(i, m, msg.cache_salt) for i, m in enumerate(media)]
+        images = await offload(lambda: self._images(media, msg.cache_salt)) if media else []
         token_ids, spans = expand_images(prompt_ids, self.tokenizer.image,
                                          [im.num_tokens for im in images])
         features = [MultiModalFeatureSpec(im.key, "image", PlaceholderRange(*span), None)
@@ -95,6 +109,7 @@ class InputProcessor:
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=media, trace=trace,
+            media_bytes=[im.nbytes for im in images],
             text=OutputText(self.tokenizer.incremental_decoder(), sampling.stop,
                             sampling.include_stop_str_in_output, sampling.min_tokens),
         )
@@ -161,22 +176,29 @@ class InputProcessor:
             return list(msg.prompt_token_ids), media
         return self.tokenizer.encode(msg.prompt), media
 
+    def _images(self, media: Sequence[generate_pb2.MediaItem], salt: str) -> list[_Image]:
+        """Each image checked from its header and keyed (CPU-heavy: call through the
+        offload)."""
+        return [self._image(i, m, salt) for i, m in enumerate(media)]
+
     def _image(self, index: int, media: generate_pb2.MediaItem, salt: str) -> _Image:
         kind = media.WhichOneof("data")
         if kind is None:
             raise InvalidInput(f"image {index} has no data", "IMAGE_EMPTY")
+        content: bytes | np.ndarray
         if kind == "encoded":
-            height, width = _header_size(media.encoded, self.images)
-            key = mm_hash(media.encoded, self.images, salt)
+            content = media.encoded  # NOTE: each read of a bytes field copies it: read once
+            nbytes = len(content)
+            height, width = _header_size(content, self.images)
         else:
-            pixels = _pixels(media)
-            height, width = pixels.shape[:2]
-            key = mm_hash(pixels, self.images, salt)
+            nbytes = len(media.tensor.data)
+            content = _pixels(media)
+            height, width = content.shape[:2]
         h, w = smart_resize(height, width, self.images)
-        if media.HasField("uuid"):
-            key = mm_hash_from_uuid(media.uuid, salt, (h, w))
+        key = (mm_hash_from_uuid(media.uuid, salt, (h, w)) if media.HasField("uuid")
+               else mm_hash(content, self.images, salt))
         merge = self.images.merge_size * self.images.patch_size
-        return _Image(key, (h // merge) * (w // merge), media)
+        return _Image(key, (h // merge) * (w // merge), nbytes)
 
 
 def _chat(messages: Sequence[generate_pb2.ChatMessage],

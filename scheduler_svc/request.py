@@ -104,6 +104,7 @@ class Request:
     cache_salt: str = field(repr=False)
     text: OutputText = field(repr=False)
     media: list[generate_pb2.MediaItem] = field(default_factory=list, repr=False)
+    media_bytes: list[int] = field(default_factory=list, repr=False)  # each image's data
     mm_cache_hits: int = 0
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens scheduled so far: advanced when scheduled
@@ -124,6 +125,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.images = [ImageRecord.of(f) for f in self.features]
+
+    @property
+    def image_bytes(self) -> int:
+        """The client's image data the request holds (what admission bounds)."""
+        return sum(self.media_bytes)
 
     @property
     def num_tokens(self) -> int:

@@ -92,9 +92,8 @@ class RequestTrace:
         self.span.add_event(name, attributes)
 
     @contextmanager
-    def image(self, key: str, num_tokens: int,
-              media: generate_pb2.MediaItem) -> Iterator[ImageSpan]:
-        size = len(media.encoded) if media.HasField("encoded") else media.tensor.ByteSize()
+    def image(self, key: str, num_tokens: int, size: int) -> Iterator[ImageSpan]:
+        """The image's span; ``size``: its data as the client sent it, in bytes."""
         span = tracing.tracer().start_span(
             "tandem.mm.process", context=trace.set_span_in_context(self.span),
             attributes={"tandem.mm.hash": key[:HASH_PREFIX_CHARS], "tandem.mm.modality": "image",
@@ -125,11 +124,11 @@ class RequestTrace:
 
 
 def image_span(trace_: RequestTrace | None, key: str, num_tokens: int,
-               media: generate_pb2.MediaItem) -> AbstractContextManager[ImageSpan]:
+               size: int) -> AbstractContextManager[ImageSpan]:
     """The image's span under ``trace_``, or a do-nothing one when the request is untraced."""
     if trace_ is None:
         return nullcontext(_NO_IMAGE_SPAN)
-    return trace_.image(key, num_tokens, media)
+    return trace_.image(key, num_tokens, size)
 
 
 def _set_error(span: trace.Span, error: BaseException) -> None:

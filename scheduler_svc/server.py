@@ -120,6 +120,7 @@ def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
     """The scheduler's totals and gauges, read at scrape time (names: tandem.metrics)."""
     stats, counters, ledger = engine.cache_stats(), engine.counters, engine.ledger_stats()
     refused = engine.cache.counters().refused
+    waiting, waiting_bytes = engine.admission.waiting()
     return {
         "tandem_mm_cache_refused_total": {r: refused.get(r, 0) for r in ("oversize", "full")},
         "tandem_worker_losses_total": engine.worker_losses,
@@ -138,6 +139,9 @@ def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
         "tandem_shm_released_in_doubt_total": ledger.released_in_doubt,
         "tandem_engine_errors_total": engine.errors,
         "tandem_invariant_checks_total": engine.invariant_checks,
+        "tandem_waiting_requests": waiting,
+        "tandem_waiting_image_bytes": waiting_bytes,
+        "tandem_rejected_requests_total": dict(engine.admission.rejected),
         "tandem_kv_blocks_total": stats.kv_blocks_total,
         "tandem_kv_blocks_free": stats.kv_blocks_free,
         "tandem_mm_cache_capacity_bytes": stats.mm_cache_capacity_bytes,

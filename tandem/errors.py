@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from tandem.shm import errors as shm_errors
@@ -107,6 +107,10 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _HTTP_INTERNAL = (500, "internal_server_error")  # INTERNAL, UNKNOWN, DATA_LOSS
+# How long a client is asked to wait before retrying a 429 (RESOURCE_EXHAUSTED but a
+# request too large: a full queue or segment drains as requests finish): HTTP
+# ``Retry-After``, gRPC ``RetryInfo``.
+RETRY_AFTER_S = 1
 
 
 def classify(exc: BaseException) -> TandemError:
@@ -138,20 +142,33 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object (``{"error": {message, type, param, code}}``)
     for any exception, through the same ``classify`` and code as the gRPC status."""
     err = reported(exc)
-    status, kind = err.http_status or HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
+    status, kind = _http_status(err)
     return status, {"error": {"message": err.message, "type": kind, "param": err.param,
                               "code": err.reason.lower()}}
 
 
+def _http_status(err: TandemError) -> tuple[int, str]:
+    return err.http_status or HTTP_STATUS.get(err.code, _HTTP_INTERNAL)
+
+
+def http_headers(status: int) -> dict[str, str]:
+    """The headers of an error answer with HTTP ``status``: ``Retry-After`` on 429."""
+    return {"retry-after": str(RETRY_AFTER_S)} if status == 429 else {}
+
+
 def rich_status(err: TandemError, metadata: dict[str, str] | None = None) -> tuple:
-    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail."""
-    info = error_details_pb2.ErrorInfo(
-        reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata or {}
-    )
-    detail = any_pb2.Any()
-    detail.Pack(info)
+    """Trailing metadata carrying ``google.rpc.Status`` with an ``ErrorInfo`` detail, and
+    a ``RetryInfo`` one when the error is worth retrying later (HTTP's 429)."""
+    infos: list[Any] = [error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata or {})]
+    if _http_status(err)[0] == 429:
+        infos.append(error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=RETRY_AFTER_S)))
+    details = [any_pb2.Any() for _ in infos]
+    for detail, info in zip(details, infos, strict=True):
+        detail.Pack(info)
     status = status_pb2.Status(
-        code=getattr(code_pb2, err.code.name), message=err.message, details=[detail]
+        code=getattr(code_pb2, err.code.name), message=err.message, details=details
     )
     return (("grpc-status-details-bin", status.SerializeToString()),)
 

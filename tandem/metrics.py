@@ -60,6 +60,14 @@ METRICS: dict[str, tuple[str, str]] = {
                 "achievable hit ratio (0 before any image)"),
     "tandem_mm_cache_curve_references_total":
         (COUNTER, "Image references the hit-ratio estimate has seen"),
+    "tandem_waiting_requests":
+        (GAUGE, "Requests waiting to run: arriving (images being checked or acquired) and "
+                "queued, preempted ones included (at most --max-waiting-requests)"),
+    "tandem_waiting_image_bytes":
+        (GAUGE, "Client image bytes the waiting requests hold (--max-waiting-image-bytes)"),
+    "tandem_rejected_requests_total":
+        (COUNTER, "Requests refused at admission (RESOURCE_EXHAUSTED / HTTP 429), by the "
+                  "limit they hit: requests or image_bytes"),
     "tandem_kv_blocks_total": (GAUGE, "KV blocks of the cell"),
     "tandem_kv_blocks_free": (GAUGE, "KV blocks free (cached-but-unreferenced included)"),
     "tandem_steps_total": (COUNTER, "Steps run by this worker"),
@@ -69,6 +77,7 @@ METRICS: dict[str, tuple[str, str]] = {
 
 # Metrics whose value is a mapping: label value -> sample, under this one label name.
 LABELS: dict[str, str] = {"tandem_mm_cache_refused_total": "reason",
+                          "tandem_rejected_requests_total": "limit",
                           "tandem_mm_cache_estimated_hit_ratio": "capacity_bytes"}
 
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -40,6 +40,17 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def positive_arg(text: str) -> int:
+    """An integer of at least 1, for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def fraction_arg(text: str) -> float:
     """A number in (0, 1], for argparse."""
     try:
@@ -140,6 +151,13 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "16")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+    p.add_argument("--max-waiting-requests", type=positive_arg,
+                   default=_env("MAX_WAITING_REQUESTS", "256"),
+                   help="requests waiting to run at most; more get RESOURCE_EXHAUSTED / 429")
+    p.add_argument("--max-waiting-image-bytes", type=size_arg,
+                   default=_env("MAX_WAITING_IMAGE_BYTES", "512Mi"),
+                   help="client image bytes the waiting requests may hold; likewise (a "
+                        "request with more is admitted only when no other holds any)")
     p.add_argument("--encoder-cache-size", type=int,
                    default=int(_env("ENCODER_CACHE_SIZE", "4096")),
                    help="image embeddings the workers keep encoded (must hold the largest image)")
@@ -247,6 +265,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         shm_group_mode=args.shm_group_mode, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, worker_addresses=tuple(addresses),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_image_bytes=args.max_waiting_image_bytes,
         metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
         health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),

@@ -11,18 +11,17 @@ per-object cap and travels inline.
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from otlp_receiver import OtlpReceiver
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import generate_pb2 as pb
 from tandem_cli.cli import main
 from tandem_cli.traces_view import Span
 from tandem_testing.cells import free_port, png, request, running_cell
+from tandem_testing.metrics import scrape
 
 # 52 characters before the divergence: C's placeholders end inside the first two blocks.
 SHARED = "Look at <image> and then, please, at the one after it: "
@@ -51,14 +50,6 @@ def _usage(cell, request_id: str, prompt: str, images: list[bytes]) -> pb.Usage:
     return last.usage
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}"
-            if s.labels else s.name: s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp = tmp_path_factory.mktemp("attribution")
@@ -72,7 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             _usage(cell, "warm", WARM, [C, A])
             usage = _usage(cell, "three", THREE, [C, A, B])
             big = _usage(cell, "big", "Big <image> here.", [BIG])
-            stats, scraped = cell.stats(), _scrape(metrics)
+            stats, scraped = cell.stats(), scrape(metrics)
             cli = _cli_generate(cell.target, tmp)
         spans = receiver.wait_for(lambda s: sum(x.name == "tandem.mm.process" for x in s) >= 6)
     return Run(usage, big, stats, scraped, spans, trace_file, cli)

@@ -14,8 +14,10 @@ def test_limit_flags_reach_the_scheduler_config() -> None:
     args = build_parser().parse_args([
         "scheduler", "--max-images", "2", "--max-image-bytes", "1Mi", "--max-prompt-tokens",
         "100", "--max-tokens-limit", "50", "--default-max-tokens", "7", "--min-pixels", "1000",
-        "--max-pixels", "9000", "--encoder-cache-size", "99", "--step-timeout", "3.5"])
+        "--max-pixels", "9000", "--encoder-cache-size", "99", "--step-timeout", "3.5",
+        "--max-waiting-requests", "3", "--max-waiting-image-bytes", "2Mi"])
     c = _scheduler_config(args, ["unix:///tmp/w.sock"])
+    assert (c.max_waiting_requests, c.max_waiting_image_bytes) == (3, 2 * 2**20)
     assert (c.limits.max_images, c.limits.max_image_bytes, c.limits.max_prompt_tokens) == (
         2, 2**20, 100)
     assert (c.limits.max_tokens, c.limits.default_max_tokens) == (50, 7)
@@ -27,8 +29,11 @@ def test_environment_sets_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_MAX_IMAGES", "3")
     monkeypatch.setenv("TANDEM_MM_CACHE", "lru")
     monkeypatch.setenv("TANDEM_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("TANDEM_MAX_WAITING_REQUESTS", "9")
+    monkeypatch.setenv("TANDEM_MAX_WAITING_IMAGE_BYTES", "1Gi")
     c = _scheduler_config(build_parser().parse_args(["scheduler"]), ["unix:///tmp/w.sock"])
     assert (c.limits.max_images, c.mm_cache, c.enable_prefix_caching) == (3, "lru", False)
+    assert (c.max_waiting_requests, c.max_waiting_image_bytes) == (9, 2**30)
     flag = build_parser().parse_args(["scheduler", "--max-images", "5"])
     assert _scheduler_config(flag, ["unix:///tmp/w.sock"]).limits.max_images == 5
 

@@ -29,7 +29,8 @@ def _request(rid: str, keys: list[str]) -> Request:
     sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, [0] * 40, 40, features, sampling,
                    text=OutputText(ByteTokenizer().incremental_decoder()),
-                   cache_salt="", media=[generate_pb2.MediaItem(uuid=k) for k in keys])
+                   cache_salt="", media=[generate_pb2.MediaItem(uuid=k) for k in keys],
+                   media_bytes=[0] * len(keys))
 
 
 def _process(media: generate_pb2.MediaItem) -> MultiModalKwargsItem:

@@ -45,7 +45,8 @@ def _request(rid: str, keys: list[str], spans: list[tuple[int, int]] | None = No
     sampling = Sampling(1, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, [0] * 40, 40, features, sampling, cache_salt="",
                    text=OutputText(ByteTokenizer().incremental_decoder()),
-                   media=[generate_pb2.MediaItem(uuid=k) for k in keys])
+                   media=[generate_pb2.MediaItem(uuid=k) for k in keys],
+                   media_bytes=[0] * len(keys))
 
 
 async def _inline(fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:

@@ -5,19 +5,18 @@ a trace file, and scraped from the scheduler's and the worker's ``/metrics``."""
 from __future__ import annotations
 
 import socket
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from otlp_receiver import OtlpReceiver
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import generate_pb2
 from tandem_cli.cli import main
 from tandem_cli.traces_view import Span, read_spans
 from tandem_testing.cells import Cell, png, request, running_cell
+from tandem_testing.metrics import scrape
 
 PROMPT = "Describe this picture: <image> in a few words, please, and be brief about it."
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -47,18 +46,6 @@ def _consecutive_free_ports() -> int:
                 continue
             return port
     raise RuntimeError("no two consecutive free ports")
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Sample name (with labels, if any) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def _generate(cell: Cell, request_id: str, metadata: tuple = ()) -> generate_pb2.Usage:

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import tracing
-from tandem.errors import InvalidInput, RequestTooLarge, TandemError, http_error
+from tandem.errors import InvalidInput, RequestTooLarge, TandemError, http_error, http_headers
 from tandem.openai_api import convert, schema
 from tandem.openai_api.backend import Backend
 from tandem.openai_api.remote_images import RemoteImageFetcher
@@ -195,7 +195,7 @@ async def _disconnect(request: Request) -> None:
 
 def _error_response(exc: BaseException) -> JSONResponse:
     status, error = http_error(exc)
-    return JSONResponse(error, status_code=status)
+    return JSONResponse(error, status_code=status, headers=http_headers(status))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
