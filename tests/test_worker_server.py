@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scheduler_svc.worker_client import StepFailed, WorkerPool
-from tandem.feature_codec import item_to_parts
+from tandem.feature_codec import descriptor_to_proto, item_to_parts
 from tandem.shm import ShmWriter
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -284,3 +284,79 @@ def test_a_step_not_run_acknowledges_its_address_items(tmp_path: Path) -> None:
     worker may write its slot, so without it they would stay unacknowledged for good
     (issue 22, item 5)."""
     asyncio.run(_not_run_scenario(tmp_path))
+
+
+async def _unseen_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20)
+    worker = await create_server(config)
+    writer = ShmWriter(tmp_path / "cell" / "features.seg", 1 << 20, n_readers=1,
+                       max_object_size=1 << 20)
+    try:
+        await worker.warmup
+        image = synthetic_image(PRESETS["tiny"], 2, 2, seed=4)
+        tokens, [feature] = synthetic_prompt(PRESETS["tiny"], ["Look: ", "?"],
+                                             [("img", image)])
+        first = writer.put("img", item_to_parts(image))
+        req = NewRequestData("a", tokens, len(tokens), [replace(feature, data=first)],
+                             SamplingParams(), [0, 1], 0)
+        ran = step_to_proto(StepInput(1, "features.seg", writer.generation, new_requests=[req],
+                                      num_scheduled_tokens={"a": len(tokens)},
+                                      scheduled_encoder_inputs={"a": [0]}))
+
+        def unseen(*steps: tuple[int, list[object]]) -> worker_pb2.AcknowledgeRequest:
+            return worker_pb2.AcknowledgeRequest(
+                segment_name="features.seg", segment_generation=writer.generation,
+                steps=[worker_pb2.UnseenStep(step_id=i, items=[
+                    descriptor_to_proto(d) for d in descs]) for i, descs in steps])
+
+        async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            assert (await stub.Describe(worker_pb2.DescribeRequest())).last_step_id == 0
+            call = stub.Steps()
+            await call.write(worker_pb2.StepsRequest(step=ran))
+            answer = await call.read()
+            assert answer.WhichOneof("outcome") == "done", answer
+            described = await stub.Describe(worker_pb2.DescribeRequest())
+            assert (described.last_step_id, described.last_step_generation) == (
+                1, writer.generation)
+            second, third = writer.hit("img"), writer.hit("img")
+            # While a step stream is open a step may still arrive: Acknowledge waits, and
+            # one whose deadline passes meanwhile is dropped, never run later.
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await stub.Acknowledge(unseen((2, [second])), timeout=0.3)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            waiting = asyncio.ensure_future(stub.Acknowledge(
+                unseen((1, [first]), (2, [second]), (3, [third])), timeout=30))
+            await asyncio.sleep(0.3)
+            assert not waiting.done() and writer.outstanding()
+            call.cancel()
+            # Step 1 ran here (acknowledged then): only steps 2 and 3 are acknowledged.
+            waited = await waiting
+            assert (waited.acked, waited.last_step_id) == (2, 3)
+            assert writer.outstanding() == {}
+            again = await stub.Acknowledge(unseen((2, [second]), (3, [third])), timeout=30)
+            assert (again.acked, again.last_step_id) == (0, 3)  # handled already: no-op
+            # Checked as a step's items: one descriptor twice over its one outstanding
+            # reference acknowledges none of them, and the steps stay unhandled.
+            fourth = writer.hit("img")
+            with pytest.raises(grpc.aio.AioRpcError) as twice:
+                await stub.Acknowledge(unseen((4, [fourth]), (5, [fourth])), timeout=30)
+            assert twice.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert writer.stats().unacked_refs == 1
+            assert (await stub.Describe(worker_pb2.DescribeRequest())).last_step_id == 3
+            assert (await stub.Acknowledge(unseen((4, [fourth])), timeout=30)).acked == 1
+        assert writer.stats().unacked_refs == 0
+        writer.check_invariants()
+    finally:
+        writer.close()
+        await shutdown(worker)
+
+
+def test_acknowledge_settles_the_address_items_of_steps_the_worker_never_received(
+        tmp_path: Path) -> None:
+    """Worker.Acknowledge (worker.proto): the scheduler asks a live worker to acknowledge,
+    on its own reader slot, the address items of steps a lost stream dropped before they
+    reached it. It waits for open step streams, skips the steps the worker took up (Describe
+    reports the last one), checks the items as a step's, all or none (issue 22, item 5)."""
+    asyncio.run(_unseen_scenario(tmp_path))
