@@ -29,7 +29,10 @@ A reference is in one of four places, and :class:`DeliveryLedger` records which:
   later step every earlier one has finished or will never run: what the segment then shows
   unacknowledged on that slot never will be. Such references are released when no slot
   acknowledged them; those some slot did acknowledge stay held until the lagging reader's
-  process is known gone (:meth:`DeliveryLedger.reader_gone`).
+  process is known gone (:meth:`DeliveryLedger.reader_gone`). A live worker may never have
+  received a failed step (its stream ended with the step unread): the engine asks it to
+  acknowledge those (:meth:`DeliveryLedger.unseen`, worker.proto ``Acknowledge``) when
+  it reconnects, and then settles (:meth:`DeliveryLedger.settle`).
 
 :meth:`DeliveryLedger.check_invariants` (after every step with ``TANDEM_DEBUG_INVARIANTS=1``)
 compares all of this, per object and slot, with the writer's own counters

@@ -5,8 +5,10 @@ health-only port (health answers there, the Worker API does not), and the Steps 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,13 +19,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scheduler_svc.worker_client import StepFailed, WorkerPool
 from tandem.feature_codec import descriptor_to_proto, item_to_parts
-from tandem.shm import ShmWriter
+from tandem.shm import ShmDescriptor, ShmWriter
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem_testing.scripted import synthetic_image, synthetic_prompt
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
-from worker_svc.server import SERVICE_NAME, create_server, shutdown
+from worker_svc.server import SERVICE_NAME, RunningWorker, create_server, shutdown
 from worker_svc.step import NewRequestData, SamplingParams, StepInput
 from worker_svc.step_codec import step_to_proto
 
@@ -226,7 +228,15 @@ def test_a_step_sent_after_a_failed_one_is_not_run_until_the_streams_are_renewed
     asyncio.run(_late_step_scenario(tmp_path))
 
 
-async def _not_run_scenario(tmp_path: Path) -> None:
+Prefill = Callable[[int, str, ShmDescriptor], worker_pb2.StepRequest]
+
+
+@contextlib.asynccontextmanager
+async def _worker_on_a_segment(tmp_path: Path) -> AsyncIterator[
+        tuple[RunningWorker, ShmWriter, ShmDescriptor, Prefill]]:
+    """A warmed-up worker; a real segment (one reader slot) holding image "img" and the
+    put's reference to it; ``prefill(step_id, rid, descriptor)``: the step of a new
+    request showing it."""
     config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
                           kv_cache_bytes=32 << 20)
     worker = await create_server(config)
@@ -238,14 +248,27 @@ async def _not_run_scenario(tmp_path: Path) -> None:
         tokens, [feature] = synthetic_prompt(PRESETS["tiny"], ["Look: ", "?"],
                                              [("img", image)])
         first = writer.put("img", item_to_parts(image))
-        second = writer.hit("img")  # the same chunk twice in one step: 2 refs on the slot
 
-        def prefill(step_id: int, rid: str, data: object) -> worker_pb2.StepsRequest:
+        def prefill(step_id: int, rid: str, data: ShmDescriptor) -> worker_pb2.StepRequest:
             req = NewRequestData(rid, tokens, len(tokens), [replace(feature, data=data)],
                                  SamplingParams(), [0, 1], 0)
-            return worker_pb2.StepsRequest(step=step_to_proto(StepInput(
+            return step_to_proto(StepInput(
                 step_id, "features.seg", writer.generation, new_requests=[req],
-                num_scheduled_tokens={rid: len(tokens)})))
+                num_scheduled_tokens={rid: len(tokens)}, scheduled_encoder_inputs={rid: [0]}))
+
+        yield worker, writer, first, prefill
+        writer.check_invariants()
+    finally:
+        writer.close()
+        await shutdown(worker)
+
+
+async def _not_run_scenario(tmp_path: Path) -> None:
+    async with _worker_on_a_segment(tmp_path) as (worker, writer, first, step):
+        second = writer.hit("img")  # the same chunk twice in one step: 2 refs on the slot
+
+        def prefill(step_id: int, rid: str, data: ShmDescriptor) -> worker_pb2.StepsRequest:
+            return worker_pb2.StepsRequest(step=step(step_id, rid, data))
 
         unknown = step_to_proto(StepInput(1, num_scheduled_tokens={"ghost": 1}))
         unknown.cached_requests.add(request_id="ghost", num_computed_tokens=3)
@@ -271,10 +294,6 @@ async def _not_run_scenario(tmp_path: Path) -> None:
             await call.write(again)
             assert (await call.read()).error.reason == "UNKNOWN_REQUEST"
             call.cancel()
-        writer.check_invariants()
-    finally:
-        writer.close()
-        await shutdown(worker)
 
 
 def test_a_step_not_run_acknowledges_its_address_items(tmp_path: Path) -> None:
@@ -287,22 +306,8 @@ def test_a_step_not_run_acknowledges_its_address_items(tmp_path: Path) -> None:
 
 
 async def _unseen_scenario(tmp_path: Path) -> None:
-    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
-                          kv_cache_bytes=32 << 20)
-    worker = await create_server(config)
-    writer = ShmWriter(tmp_path / "cell" / "features.seg", 1 << 20, n_readers=1,
-                       max_object_size=1 << 20)
-    try:
-        await worker.warmup
-        image = synthetic_image(PRESETS["tiny"], 2, 2, seed=4)
-        tokens, [feature] = synthetic_prompt(PRESETS["tiny"], ["Look: ", "?"],
-                                             [("img", image)])
-        first = writer.put("img", item_to_parts(image))
-        req = NewRequestData("a", tokens, len(tokens), [replace(feature, data=first)],
-                             SamplingParams(), [0, 1], 0)
-        ran = step_to_proto(StepInput(1, "features.seg", writer.generation, new_requests=[req],
-                                      num_scheduled_tokens={"a": len(tokens)},
-                                      scheduled_encoder_inputs={"a": [0]}))
+    async with _worker_on_a_segment(tmp_path) as (worker, writer, first, prefill):
+        ran = prefill(1, "a", first)
 
         def unseen(*steps: tuple[int, list[object]]) -> worker_pb2.AcknowledgeRequest:
             return worker_pb2.AcknowledgeRequest(
@@ -347,10 +352,6 @@ async def _unseen_scenario(tmp_path: Path) -> None:
             assert (await stub.Describe(worker_pb2.DescribeRequest())).last_step_id == 3
             assert (await stub.Acknowledge(unseen((4, [fourth])), timeout=30)).acked == 1
         assert writer.stats().unacked_refs == 0
-        writer.check_invariants()
-    finally:
-        writer.close()
-        await shutdown(worker)
 
 
 def test_acknowledge_settles_the_address_items_of_steps_the_worker_never_received(
