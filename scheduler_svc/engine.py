@@ -307,6 +307,14 @@ class Engine:
                 log.exception("unexpected error in the engine loop: failing every request")
                 if not self._recover():
                     return
+                # The abandoned steps' streams ended as after a loss: settle their doubts
+                # as _reconnect does (the workers are all still there), before the loop
+                # opens new streams, which the workers' Acknowledge waits out.
+                try:
+                    await self._settle_unseen([])
+                except Exception:
+                    log.exception("settling the references in doubt after the error failed; "
+                                  "they wait for the next step")
 
     async def _iterate(self) -> None:
         assert self.scheduler is not None and self.ledger is not None

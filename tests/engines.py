@@ -18,21 +18,25 @@ from tandem.v1 import generate_pb2
 
 
 @asynccontextmanager
-async def running_engine(shm: Path, address: str | None = None,
+async def running_engine(shm: Path, address: str | None = None, workers: int = 1,
                          **settings: object) -> AsyncIterator[Engine]:
-    """An engine over the worker of ``shm`` (or whatever serves ``address``), with a fresh
-    1 MiB segment in ``shm`` (a new generation: the worker drops its old requests)."""
-    config = SchedulerConfig(shm_dir=str(shm), worker_addresses=(
-        address or f"unix://{shm}/worker-0.sock",), **settings)  # type: ignore[arg-type]
-    cache = ShmProcessorCache(shm, 1 << 20, n_readers=1, max_object_size=1 << 20)
-    workers = WorkerPool(list(config.worker_addresses))
-    engine = Engine(config, cache, workers)
+    """An engine over the ``workers`` workers of ``shm`` (or whatever serves ``address``),
+    with a fresh 1 MiB segment in ``shm`` (a new generation: the workers drop their old
+    requests)."""
+    addresses = ((address,) if address is not None
+                 else tuple(f"unix://{shm}/worker-{rank}.sock" for rank in range(workers)))
+    config = SchedulerConfig(shm_dir=str(shm), worker_addresses=addresses,
+                             **settings)  # type: ignore[arg-type]
+    cache = ShmProcessorCache(shm, 1 << 20, n_readers=len(addresses),
+                              max_object_size=1 << 20)
+    pool = WorkerPool(list(config.worker_addresses))
+    engine = Engine(config, cache, pool)
     try:
         await engine.start()
         yield engine
     finally:
         await engine.stop()
-        await workers.close()
+        await pool.close()
         cache.close()
 
 

@@ -294,3 +294,55 @@ def test_stop_awaits_every_task_of_the_engine(worker) -> None:
                 os.kill(pid, signal.SIGCONT)
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[int]]]:
+    """(shared directory, pids) of two replica workers (reader slots 0 and 1)."""
+    shm = tmp_path_factory.mktemp("shm2")
+    configs = [WorkerConfig(shm_dir=str(shm), rank=rank, world_size=2, kv_cache_bytes=4 << 20)
+               for rank in range(2)]
+    with running_worker(configs[0]) as (first, _), running_worker(configs[1]) as (second, _):
+        yield shm, [first.pid, second.pid]
+
+
+def test_after_an_unexpected_error_the_doubts_of_steps_a_worker_never_read_settle(
+        two_workers) -> None:
+    """Issue 22, items 2 and 5: the loop fails while worker 0 is stopped and worker 1 has
+    run the step with the image (acknowledged on slot 1). The recovery ends the step
+    streams as a loss does; a step the stopped worker had not read may be dropped then
+    (test_faults.py::test_steps_a_stopped_worker_never_read_settle_while_the_cell_is_idle
+    has the loss's half), so the recovery settles the doubts as a reconnect does, and
+    with no traffic after the error nothing stays held or in doubt."""
+    shm, pids = two_workers
+
+    async def main() -> None:
+        async with running_engine(shm, workers=2, step_timeout_s=10.0) as e:
+            await generate(e, request("Warm", max_tokens=2))
+            await idle(e)  # no step out: the next one is the image's
+            result = e.workers.result
+            failed: list[int] = []
+
+            async def failing_result(sent, timeout):  # delegates, except for one step
+                if not failed:
+                    failed.append(sent.step_id)
+                    # worker 1 runs the step (acknowledging slot 1); worker 0 is stopped
+                    await until(lambda: e.cache_stats().shm_unacked_refs == 1)
+                    raise RuntimeError("injected: applying the step failed")
+                return await result(sent, timeout)
+
+            e.workers.result = failing_result  # type: ignore[method-assign]
+            os.kill(pids[0], signal.SIGSTOP)
+            try:
+                with pytest.raises(TandemError) as err:
+                    await generate(e, request(PROMPT, [png(6, 56, 56)], max_tokens=4))
+                assert err.value.code == grpc.StatusCode.INTERNAL
+                assert e.errors == 1 and e.cache_stats().shm_unacked_refs == 1
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            await until(lambda: e.cache_stats().shm_unacked_refs == 0
+                        and e.ledger_stats().in_doubt == 0, timeout=15.0)
+            assert e.serving
+            assert await generate(e, request("After the error", max_tokens=2)) != []
+
+    asyncio.run(main())
