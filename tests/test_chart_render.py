@@ -4,6 +4,7 @@ properties that matter when it runs (security contexts, probes, tracing wiring, 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -109,7 +110,7 @@ def test_default_install_serves_a_gpu_pair(helm: dict) -> None:
     assert spec["featureCache"]["type"] == "shm"
     operator = one(objects, "Deployment", "operator")
     assert operator["spec"]["template"]["spec"]["containers"][0]["image"] == (
-        f"ghcr.io/tandem-dev/tandem:{__version__}")
+        f"ghcr.io/tandem-dev/tandem-operator:{__version__}")
     assert not find(objects, "Deployment", "collector") and not find(objects, "PodMonitor")
 
 
@@ -268,6 +269,28 @@ def test_hook_scripts_compile(helm: dict) -> None:
     assert len(scripts) == 3
     for script in scripts:
         compile(script, "hook", "exec")
+
+
+def test_operator_image_runs_the_operator_and_the_hook_jobs(helm: dict) -> None:
+    """The slim operator image (no torch) runs the operator and the Jobs, whose scripts import
+    only the standard library and the kubernetes client; helm test's pods run the full image."""
+    objects = render("helm4", ALL_ON, (*ALL_ON_SETS, 'operator.image.tag="7.0.0"'))
+    slim = [one(objects, "Deployment", "operator"), *find(objects, "Job")]
+    assert len(slim) == 3, "the operator, the Pod Security and the uninstall hooks"
+    for obj in slim:
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            assert c["image"] == "ghcr.io/tandem-dev/tandem-operator:7.0.0", obj["metadata"]
+            if c.get("command", [])[:2] != ["python", "-c"]:
+                continue
+            imported = set()
+            for node in ast.walk(ast.parse(c["command"][2])):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    imported.add((node.module or "").split(".")[0])
+            assert imported - sys.stdlib_module_names == {"kubernetes"}, imported
+    tests = [c["image"] for pod in find(objects, "Pod") for c in pod["spec"]["containers"]]
+    assert tests and set(tests) == {f"ghcr.io/tandem-dev/tandem:{__version__}"}, tests
 
 
 def _endpoint_env(objects: list[dict]) -> str:

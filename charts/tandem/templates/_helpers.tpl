@@ -35,9 +35,14 @@ app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Version | replace "+" "_" }}
 {{- end }}
 
-{{/* One image for every component (the operator appends -cuda for CUDA workers). */}}
+{{/* The image of the cells' components (the operator appends -cuda for CUDA workers). */}}
 {{- define "tandem.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* The slim operator image: the operator and the chart's hook jobs (kubernetes client only). */}}
+{{- define "tandem.operatorImage" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (.Values.operator.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
 {{/* The TandemService's name: the CRD allows 39 characters, a DNS label starting with a
