@@ -41,7 +41,7 @@ def _request(rid: str, keys: list[str], spacing: int = 10, length: int = 4,
     sampling = Sampling(2, 0.0, 1.0, 0, None, frozenset(), False, frozenset())
     return Request(rid, ids, len(ids), features, sampling,
                    text=OutputText(ByteTokenizer().incremental_decoder()), cache_salt="",
-                   media=[pb.MediaItem(uuid=k) for k in keys])
+                   media=[pb.MediaItem(uuid=k) for k in keys], media_bytes=[0] * len(keys))
 
 
 async def _inline(fn: Callable[[], MultiModalKwargsItem]) -> MultiModalKwargsItem:
