@@ -49,7 +49,13 @@ class TandemError(Exception):
     @classmethod
     def from_status(cls, code: grpc.StatusCode, message: str, reason: str) -> TandemError:
         """An error another Tandem server already mapped (a cell behind the router): its
-        code, message and reason as they arrived, so both APIs pass it on unchanged."""
+        code, message and reason as they arrived, so both APIs pass it on unchanged.
+
+        A RESOURCE_EXHAUSTED without a reason is gRPC's own refusal of a message over the
+        server's cap (Tandem's servers always send one): a request too large, not an
+        overload, so HTTP relays it as 413 rather than a 429 a client would retry."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:
+            return RequestTooLarge(message)
         err = cls(message, reason or code.name)
         err.code = code
         return err

@@ -232,6 +232,18 @@ def test_a_body_within_the_cap_passes(edge: Edge) -> None:
     assert _error(_post(edge.urls["cell"], body), 400)["code"] == "image_corrupt"
 
 
+def test_a_request_over_the_cells_cap_is_too_large_through_the_router(edge: Edge) -> None:
+    """Under the router's cap but over its cell's: gRPC's own refusal of the message
+    reaches the client as 413 (as from the cell itself), never a 429 it would retry."""
+    body = {"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x" * (2 * BODY_CAP)}]}
+    for port in ("cell", "router"):
+        response = _post(edge.urls[port], body)
+        assert _error(response, 413)["code"] == "request_too_large", port
+        assert "retry-after" not in response.headers
+    _healthy(edge, edge.urls["router"])
+
+
 @pytest.mark.parametrize("port", ["cell", "router"])
 def test_an_oversize_data_uri_is_refused_before_it_is_decoded(edge: Edge, port: str) -> None:
     uri = "data:image/png;base64," + base64.b64encode(os.urandom(MAX_IMAGE_BYTES + 3)).decode()

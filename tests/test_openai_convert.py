@@ -204,11 +204,17 @@ def test_one_table_gives_grpc_and_http_their_status() -> None:
     status, body = http_error(RuntimeError("secret internals /etc/passwd"))
     assert status == 500 and "secret" not in body["error"]["message"]
     # a cell's status behind the router arrives as its code, message and reason
-    remote = TandemError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "")
+    remote = TandemError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
+                                     "OVERLOADED")
     assert remote.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert http_error(remote) == (429, {"error": {"message": "queue full",
                                                   "type": "rate_limit_error", "param": None,
-                                                  "code": "resource_exhausted"}})
+                                                  "code": "overloaded"}})
+    # without a reason it is gRPC's own refusal of a message over the cell's cap: too large
+    too_large = TandemError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "Received message larger than max", "")
+    assert too_large.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert http_error(too_large)[0] == 413
     assert all(400 <= status < 600 for status, _ in HTTP_STATUS.values())
 
 
