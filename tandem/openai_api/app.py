@@ -242,7 +242,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
             return
         received: deque[Message] = deque()
         size = 0
@@ -253,7 +253,7 @@ class BodyLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -264,14 +264,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        status, error = http_error(RequestTooLarge(
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = _error_response(RequestTooLarge(
             f"the request body is larger than this server's limit of {self.max_bytes} bytes"))
-        body = json.dumps(error).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await refusal(scope, receive, send)
 
 
 class ServerSpans:
