@@ -50,14 +50,7 @@ class Cell:
     def stream(self, msg: generate_pb2.GenerateRequest,
                ) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
         """Run ``msg`` to its end; returns (token ids, text, last message)."""
-        ids: list[int] = []
-        text = ""
-        last = None
-        for last in self.stub.Generate(msg, timeout=120):
-            ids.extend(last.token_ids)
-            text += last.text
-        assert last is not None and last.finish_reason != 0
-        return ids, text, last
+        return stream(self.stub, msg)
 
     def stats(self) -> generate_pb2.CacheStatsResponse:
         return self.stub.CacheStats(generate_pb2.CacheStatsRequest(), timeout=10)
@@ -83,6 +76,19 @@ def spawned_children(pid: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 out.append(child)
     return out
+
+
+def stream(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRequest,
+           ) -> tuple[list[int], str, generate_pb2.GenerateResponse]:
+    """Run ``msg`` to its end on ``stub``; returns (token ids, text, last message)."""
+    ids: list[int] = []
+    text = ""
+    last = None
+    for last in stub.Generate(msg, timeout=120):
+        ids.extend(last.token_ids)
+        text += last.text
+    assert last is not None and last.finish_reason != 0
+    return ids, text, last
 
 
 def request(prompt: str, images: list[bytes] = (), max_tokens: int = 8, cache_salt: str = "",

@@ -7,10 +7,10 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
     """Sample name (with its labels as ``{k=v,...}``, if any) -> value, from
-    ``http://127.0.0.1:<port>/metrics``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    ``http://<host>:<port>/metrics``."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
