@@ -70,11 +70,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _chart_values(host_root: Path, *sets: str) -> tuple[str, ...]:
-    """The chart's values (`--set-json`) for a CPU cell on this machine: the images built here, no GPU, no
-    router (the Service reaches the scheduler), a small segment under `host_root`."""
+    """The chart's values (`--set-json`) for a CPU cell on this machine: the images built here,
+    no GPU, no router (the Service reaches the scheduler), a small segment under `host_root`,
+    a 10 s grace (a stopped worker serves its scheduler's stream for up to the grace)."""
     return (f'image.tag="{TAG}"', 'service.worker.device="cpu"', "service.worker.gpu.count=0",
             "service.router.enabled=false", f'service.featureCache.hostPath.root="{host_root}"',
-            'service.featureCache.size="256Mi"', *sets)
+            'service.featureCache.size="256Mi"', "service.shutdownGraceSeconds=10", *sets)
 
 
 def _chart_spec(values: tuple[str, ...]) -> TandemSpec:
@@ -244,6 +245,7 @@ def test_grpc_health_answers_on_the_probe_port(cell: RunningCell, component: str
 def test_a_restarted_worker_is_attached_again(cell: RunningCell) -> None:
     worker = cell.pod_name("worker")
     containers.stop(cell.container(worker), 60)
+    assert containers.state(cell.container(worker))["ExitCode"] == 0, cell.logs()
     cell.wait_health(cell.scheduler.name, GENERATION,
                      health_pb2.HealthCheckResponse.NOT_SERVING, timeout=60)
     containers.start(cell.container(worker))  # the kubelet restarts the container in its pod
@@ -255,6 +257,7 @@ def test_a_restarted_worker_is_attached_again(cell: RunningCell) -> None:
 def test_a_recreated_scheduler_attaches_to_the_running_workers(cell: RunningCell) -> None:
     scheduler = cell.scheduler.name
     containers.stop(cell.container(scheduler), 60)
+    assert containers.state(cell.container(scheduler))["ExitCode"] == 0, cell.logs()
     containers.podman("rm", cell.container(scheduler))
     cell.start_pod("scheduler")  # a new pod: its init container prepares the segment again
     cell.wait_health(scheduler, GENERATION, SERVING)
