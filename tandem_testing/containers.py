@@ -289,7 +289,7 @@ def run_pod(node: Node, pod_name: str, pod: Mapping[str, Any],
 
 
 def run_to_end(node: Node, pod_name: str, pod: Mapping[str, Any],
-               config_maps: Mapping[str, Mapping[str, str]] = {},
+               config_maps: Mapping[str, Mapping[str, str]] | None = None,
                timeout: float = 600) -> dict[str, subprocess.CompletedProcess[str]]:
     """Run a pod whose containers end (a `helm test` pod): its init containers, then its
     containers, one after the other in the foreground (the kubelet runs the containers side
@@ -298,7 +298,7 @@ def run_to_end(node: Node, pod_name: str, pod: Mapping[str, Any],
     spec = pod["spec"]
     results = {}
     for container in [*spec.get("initContainers", ()), *spec["containers"]]:
-        env = pods.pod_env(container, config_maps, pod, pod_name, node.network)
+        env = pods.pod_env(container, config_maps or {}, pod, pod_name, node.network)
         result = podman("run", "--rm", *run_args(node, pod_name, pod, container, env),
                         check=False, timeout=timeout)
         results[container["name"]] = result
