@@ -109,6 +109,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # encoder outputs this step allocated (the workers compute them in it)
     allocated_mm_hashes: list[str] = field(default_factory=list)
+    # request id -> the tokens it may sample this step (structured output; worker.proto's
+    # token_masks): only constrained requests that sample in this step
+    token_masks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -138,6 +141,7 @@ class SchedulerOutput:
         assert len(set(ids)) == len(ids), "a request is both new and cached"
         assert set(ids) == set(self.num_scheduled_tokens), "scheduled tokens != requests"
         assert set(self.encoder_inputs) <= set(ids), "encoder inputs of unscheduled requests"
+        assert set(self.token_masks) <= set(ids), "token masks of unscheduled requests"
         preempted, finished = set(self.preempted_request_ids), set(self.finished_request_ids)
         assert not preempted & set(ids), "a preempted request is scheduled in the same step"
         assert not preempted & finished, "a request is both preempted and finished"
@@ -250,6 +254,8 @@ class Scheduler:
             if (request.num_output_placeholders and request.num_output_tokens
                     + request.num_output_placeholders >= request.sampling.max_tokens):
                 continue  # the step in flight samples its last token
+            if request.num_output_placeholders and request.matcher is not None:
+                continue  # its next mask needs the token the step in flight samples
             n = min(request.num_tokens + request.num_output_placeholders
                     - request.num_computed_tokens, budget)
             n, enc, encoder_budget = self._schedule_encoder(request, n, encoder_budget)
@@ -318,6 +324,8 @@ class Scheduler:
         request.num_computed_tokens += n
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1  # the step samples its next token
+            if request.matcher is not None:  # no placeholder before: the matcher is current
+                out.token_masks[request.request_id] = request.matcher.allowed_mask()
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -377,6 +385,7 @@ class Scheduler:
         out.preempted.append(request)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
+        out.token_masks.pop(request.request_id, None)
         out.cached_requests = [c for c in out.cached_requests if c.request is not request]
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
@@ -424,14 +433,23 @@ class Scheduler:
 
 
 def _apply_stop(request: Request, new: list[int]) -> tuple[list[int], int]:
-    """Truncate ``new`` at the first stop id or length; the finish reason (or UNSPECIFIED).
+    """Truncate ``new`` at the first stop id, end of its constraint, or length; the finish
+    reason (or UNSPECIFIED).
 
     Under ``min_tokens`` no id ends the request (the workers mask them; this is the rule,
-    whatever was sampled)."""
-    s = request.sampling
+    whatever was sampled). A constrained request ends (STOP) once its output is complete,
+    ``min_tokens`` or not: nothing may follow. A token its constraint refuses (the workers
+    applied the step's mask, so a fault) is dropped and ends it with CONSTRAINT, logged."""
+    s, matcher = request.sampling, request.matcher
     for i, token in enumerate(new):
         outputs = request.num_output_tokens + i + 1
+        if matcher is not None and not matcher.consume(token):
+            log.error("request %s: token %d refused by its constraint (%s); ending it",
+                      request.request_id, token, matcher.error())
+            return new[:i], generate_pb2.FINISH_REASON_CONSTRAINT
         if token in s.ending_ids and outputs > s.min_tokens:
+            return new[: i + 1], generate_pb2.FINISH_REASON_STOP
+        if matcher is not None and matcher.is_stopped():
             return new[: i + 1], generate_pb2.FINISH_REASON_STOP
         if outputs >= s.max_tokens:
             return new[: i + 1], generate_pb2.FINISH_REASON_LENGTH

@@ -75,6 +75,9 @@ class StepInput:
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     trace_context: dict[str, str] = field(default_factory=dict)  # id -> W3C traceparent
+    # id -> the tokens it may sample (structured output): little-endian int32 bitmap words,
+    # bit j of word i allows token 32 * i + j; logits past the bitmap are refused
+    token_masks: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

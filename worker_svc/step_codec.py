@@ -85,6 +85,7 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> StepInput:
         free_encoder_mm_hashes=list(msg.free_encoder_mm_hashes),
         finished_request_ids=list(msg.finished_request_ids),
         trace_context=dict(msg.trace_context),
+        token_masks=dict(msg.token_masks),
     )
 
 
@@ -107,6 +108,7 @@ def step_to_proto(step: StepInput) -> worker_pb2.StepRequest:
         free_encoder_mm_hashes=step.free_encoder_mm_hashes,
         finished_request_ids=step.finished_request_ids,
         trace_context=step.trace_context,
+        token_masks=step.token_masks,
     )
 
 
