@@ -392,6 +392,9 @@ class Engine:
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.ledger.release(request)  # nothing held normally; the rule is uniform
             self._undelivered.append((request, output))
+        if self._out and self._out[0].out.deferred_masks:  # the next step waits for them
+            await self.workers.send_masks(self._out[0].sent.step_id,
+                                          self.scheduler.deferred_masks(self._out[0].out))
         if self._out:  # the workers are busy with the next step: no reason to wait
             self._deliver()
         if self._debug_invariants:

@@ -41,6 +41,7 @@ from scheduler_svc.request import Request, Status, StepOutput
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+_ONLY_TOKEN_0 = (1).to_bytes(4, "little")  # a token mask (worker.proto) allowing token 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +111,11 @@ class SchedulerOutput:
     # encoder outputs this step allocated (the workers compute them in it)
     allocated_mm_hashes: list[str] = field(default_factory=list)
     # request id -> the tokens it may sample this step (structured output; worker.proto's
-    # token_masks): only constrained requests that sample in this step
+    # token_masks): constrained requests that sample in this step, their matcher current
     token_masks: dict[str, bytes] = field(default_factory=dict)
+    # constrained requests that sample in this step while the step before samples their
+    # previous token: their masks follow once that step is applied (deferred_masks)
+    deferred_masks: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -141,7 +145,9 @@ class SchedulerOutput:
         assert len(set(ids)) == len(ids), "a request is both new and cached"
         assert set(ids) == set(self.num_scheduled_tokens), "scheduled tokens != requests"
         assert set(self.encoder_inputs) <= set(ids), "encoder inputs of unscheduled requests"
-        assert set(self.token_masks) <= set(ids), "token masks of unscheduled requests"
+        deferred = {r.request_id for r in self.deferred_masks}
+        assert set(self.token_masks) | deferred <= set(ids), "masks of unscheduled requests"
+        assert not deferred & set(self.token_masks), "a mask both sent and deferred"
         preempted, finished = set(self.preempted_request_ids), set(self.finished_request_ids)
         assert not preempted & set(ids), "a preempted request is scheduled in the same step"
         assert not preempted & finished, "a request is both preempted and finished"
@@ -254,8 +260,6 @@ class Scheduler:
             if (request.num_output_placeholders and request.num_output_tokens
                     + request.num_output_placeholders >= request.sampling.max_tokens):
                 continue  # the step in flight samples its last token
-            if request.num_output_placeholders and request.matcher is not None:
-                continue  # its next mask needs the token the step in flight samples
             n = min(request.num_tokens + request.num_output_placeholders
                     - request.num_computed_tokens, budget)
             n, enc, encoder_budget = self._schedule_encoder(request, n, encoder_budget)
@@ -324,8 +328,10 @@ class Scheduler:
         request.num_computed_tokens += n
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1  # the step samples its next token
-            if request.matcher is not None:  # no placeholder before: the matcher is current
+            if request.matcher is not None and request.num_output_placeholders == 1:
                 out.token_masks[request.request_id] = request.matcher.allowed_mask()
+            elif request.matcher is not None:  # the step out samples what its mask needs
+                out.deferred_masks.append(request)
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -386,7 +392,18 @@ class Scheduler:
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
         out.token_masks.pop(request.request_id, None)
+        out.deferred_masks = [r for r in out.deferred_masks if r is not request]
         out.cached_requests = [c for c in out.cached_requests if c.request is not request]
+
+    def deferred_masks(self, out: SchedulerOutput) -> dict[str, bytes]:
+        """The masks of ``out``'s deferred requests, once the step before it is applied
+        (their matchers have its tokens). A request that is no longer running (finished,
+        aborted or preempted since) gets a mask allowing token 0 alone: what ``out``
+        samples for it is dropped anyway."""
+        return {r.request_id: (r.matcher.allowed_mask()
+                               if r.status is Status.RUNNING and r.matcher is not None
+                               else _ONLY_TOKEN_0)
+                for r in out.deferred_masks}
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: Mapping[str, Sequence[worker_pb2.SampledLogprobs]] | None = None,

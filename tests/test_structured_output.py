@@ -4,7 +4,8 @@ The real engine (in this process, ``TANDEM_DEBUG_INVARIANTS=1``) drives a real w
 running the random ``tiny`` model, whose logits favour no structure at all, with a KV pool
 small enough to preempt: whatever it samples under a constraint must be valid (JSON schemas
 checked with ``jsonschema``, regexes with ``re.fullmatch``, choices and a Lark grammar by
-their equivalent regex); greedy outputs are the same with asynchronous scheduling on and off;
+their equivalent regex); greedy outputs are the same with asynchronous scheduling on and off
+(on: a step's masks follow it, once the step before is applied);
 a request cut by ``max_tokens`` says LENGTH. Over a ``tandem serve`` cell: a bad schema is
 INVALID_ARGUMENT (reason BAD_CONSTRAINT) over gRPC and 400 ``param: response_format`` over
 HTTP, and the ``openai`` SDK's ``chat.completions.parse`` with a pydantic model works.
@@ -142,20 +143,30 @@ def test_greedy_constrained_outputs_are_the_same_with_async_scheduling_on_and_of
     monkeypatch.setenv("TANDEM_DEBUG_INVARIANTS", "1")
     cases = [*_cases() * 3, ("json_schema", json.dumps(SCHEMAS[0]))]  # 3: enough to preempt
 
-    async def workload(on: bool) -> tuple[list[tuple[str, list[int], int]], int]:
+    async def workload(on: bool) -> tuple[list[tuple[str, list[int], int]], int, int]:
         async with _engine(worker, on) as e:
+            deferred = 0
+            send = e.workers.send
+
+            async def counting_send(msg):  # delegates: counts masks sent after their step
+                nonlocal deferred
+                deferred += len(msg.deferred_mask_ids)
+                return await send(msg)
+
+            e.workers.send = counting_send  # type: ignore[method-assign]
             outs = await asyncio.gather(*(
                 _run(e, _constrained(k, v, i, temperature=0.0,
                                      max_tokens=5 if i == len(cases) - 1 else MAX_TOKENS))
                 for i, (k, v) in enumerate(cases)))
             await idle(e)
-            assert e.errors == 0
-            return outs, e.counters.preemptions
+            assert e.errors == 0 and e.worker_losses == 0
+            return outs, e.counters.preemptions, deferred
 
-    (off, off_preempted), (on, on_preempted) = (asyncio.run(workload(False)),
-                                                asyncio.run(workload(True)))
+    (off, off_preempted, off_deferred), (on, on_preempted, on_deferred) = (
+        asyncio.run(workload(False)), asyncio.run(workload(True)))
     assert on == off
     assert off_preempted > 0 and on_preempted > 0, "the pool is too large to preempt"
+    assert off_deferred == 0 and on_deferred > 100, "two steps out: masks follow their step"
     text, tokens, reason = off[-1]
     assert reason == generate_pb2.FINISH_REASON_LENGTH and len(tokens) == 5
     assert re.fullmatch(r'\{\s{0,2}"na', text), text  # bounded whitespace, then the key

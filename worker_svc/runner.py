@@ -100,7 +100,8 @@ class StepRunner:
         # Address items are acknowledged only by an accepted step (a rejected one leaves
         # every counter as it was); this raises only if the segment was re-created since.
         acked = self.receiver.acknowledge(to_ack) if self.receiver is not None else 0
-        # Commit point: nothing below raises for a step that passed the checks above.
+        # Commit point: nothing below raises for a step that passed the checks above, but
+        # a wait for deferred token masks that fails (DeferredMasks.wait: not a refusal).
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)
         self.encoder_cache.free(step.free_encoder_mm_hashes)
@@ -145,11 +146,13 @@ class StepRunner:
                                  c.new_block_ids, len(state.block_ids), n)
             scheduled[c.request_id] = _Scheduled(state.features, state.num_computed_tokens, n)
         self._validate_encoder_inputs(step, scheduled)
+        deferred = step.deferred_masks.request_ids if step.deferred_masks is not None else ()
         bad_masks = [rid for rid, m in step.token_masks.items()
-                     if rid not in scheduled or not m or len(m) % 4]
+                     if rid not in scheduled or not m or len(m) % 4 or rid in deferred]
+        bad_masks += [rid for rid in deferred if rid not in scheduled]
         if bad_masks:
-            raise InvalidInput(f"token masks of {sorted(bad_masks)[:4]}: not scheduled, or not "
-                               "whole int32 words", reason="BAD_TOKEN_MASK")
+            raise InvalidInput(f"token masks of {sorted(bad_masks)[:4]}: not scheduled, given "
+                               "twice, or not whole int32 words", reason="BAD_TOKEN_MASK")
 
     def _validate_new(self, r: NewRequestData) -> None:
         n = len(r.token_ids)
@@ -306,7 +309,10 @@ class StepRunner:
             return {}, {}
         batch = build_batch(scheduled, self.encoder_cache, self.model.block_size, self.device)
         logits = self.model(batch.inputs)
-        tokens, logprobs = self._sample(logits, batch.sampling, step.token_masks)
+        masks = step.token_masks
+        if step.deferred_masks is not None:  # the forward runs on while the host waits
+            masks = {**masks, **step.deferred_masks.wait()}
+        tokens, logprobs = self._sample(logits, batch.sampling, masks)
         for state, n in scheduled:
             state.num_computed_tokens += n
         for state, token in zip(batch.sampling, tokens, strict=True):
@@ -439,3 +445,4 @@ class StepRunner:
         for state in self.requests.values():
             state.check_invariants(self.model.block_size, self.model.num_blocks)
         self.encoder_cache.check_invariants()
+
