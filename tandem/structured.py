@@ -211,8 +211,12 @@ def _grammar_text(c: Constraint) -> str:
             schema = json.loads(c.spec)
         except ValueError as exc:
             raise BadConstraint(f"json_schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            raise BadConstraint("json_schema must be a JSON object (or true/false)")
+        if schema is False:
+            raise BadConstraint("json_schema false allows no output")
+        if schema is True:  # JSON Schema's "anything", as the library takes it
+            schema = {}
+        if not isinstance(schema, dict):
+            raise BadConstraint("json_schema must be a JSON object (or true)")
         return make.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if c.kind == "regex":
         return make.grammar_from_regex(c.spec)
