@@ -94,7 +94,7 @@ class InputProcessor:
         processor-cache miss.
         """
         sampling = self.sampling(msg)
-        matcher = await self._matcher(msg.sampling)
+        matcher = await self._matcher(msg.sampling, msg.cache_salt)
         prompt_ids, media = self._prompt(msg)
         images = await offload(lambda: self._images(media, msg.cache_salt)) if media else []
         token_ids, spans = expand_images(prompt_ids, self.tokenizer.image,
@@ -143,10 +143,13 @@ class InputProcessor:
         check_stop_strings(sampling.stop)
         return sampling
 
-    async def _matcher(self, sampling: generate_pb2.SamplingParams) -> Matcher | None:
-        """A fresh matcher of the request's constraint (compiled off the loop, cached)."""
+    async def _matcher(self, sampling: generate_pb2.SamplingParams,
+                       salt: str) -> Matcher | None:
+        """A fresh matcher of the request's constraint (compiled off the loop, cached per
+        tenant)."""
         constraint = constraint_from_proto(sampling)
-        return None if constraint is None else await self.constraints.matcher(constraint)
+        return (None if constraint is None
+                else await self.constraints.matcher(constraint, salt))
 
     def process(self, media: generate_pb2.MediaItem) -> MultiModalKwargsItem:
         """Decode and process one image (CPU-heavy: call through the offload)."""

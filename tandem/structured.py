@@ -249,24 +249,31 @@ class ConstraintCompiler:
         self.max_spec_chars = max_spec_chars
         self.timeout_s = timeout_s
         self._cache_size = cache_size
-        self._cache: OrderedDict[Constraint, asyncio.Future[Grammar]] = OrderedDict()
+        # (tenant's cache salt, constraint) -> its compile, in flight or done
+        self._cache: OrderedDict[tuple[str, Constraint], asyncio.Future[Grammar]] = (
+            OrderedDict())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
-    async def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher for ``constraint``; BadConstraint for a bad or oversized spec."""
+    async def matcher(self, constraint: Constraint, salt: str = "") -> Matcher:
+        """A fresh matcher for ``constraint``; BadConstraint for a bad or oversized spec.
+
+        ``salt`` is the request's ``cache_salt``: tenants share compiles only as they share
+        the prefix cache, so no client learns from a fast answer which schemas another
+        tenant sends."""
         if len(constraint.spec) > self.max_spec_chars:
             raise BadConstraint(f"the {constraint.kind} is {len(constraint.spec)} characters; "
                                 f"the limit is {self.max_spec_chars}")
-        future = self._cache.get(constraint)
+        key = (salt, constraint)
+        future = self._cache.get(key)
         if future is None:
             future = asyncio.get_running_loop().run_in_executor(
                 self._pool, self._backend.compile, constraint)
             future.add_done_callback(_retrieve)
-            self._cache[constraint] = future
+            self._cache[key] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(constraint)
+            self._cache.move_to_end(key)
         try:
             grammar = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:

@@ -54,6 +54,8 @@ def test_same_spec_compiles_once_and_errors_are_cached() -> None:
                 await compiler.matcher(bad)
             assert refused.value.param == "response_format"
         assert len(backend.compiles) == 2, "a failed compile is cached too"
+        await compiler.matcher(spec, salt="tenant-b")
+        assert len(backend.compiles) == 3, "tenants (cache salts) do not share compiles"
         await compiler.matcher(Constraint("json_schema", "true"))  # JSON Schema's "anything"
         with pytest.raises(BadConstraint, match="allows no output"):
             await compiler.matcher(Constraint("json_schema", "false"))
