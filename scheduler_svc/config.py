@@ -20,6 +20,9 @@ class Limits:
     max_image_pixels: int = 4096 * 4096  # decoded size, before resizing (bomb guard)
     max_tokens: int = 1024  # largest max_tokens a client may ask for
     default_max_tokens: int = 64
+    # Structured output (tandem.structured): a constraint's size, and its compile time
+    max_constraint_chars: int = 64 * 1024
+    constraint_compile_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from tandem.errors import InvalidInput, TandemError, Unavailable
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.reuse_curve import ReuseCurve, capacities_around
 from tandem.shm import ShmError
+from tandem.structured import ConstraintCompiler, GuidanceBackend
 from tandem.text import ChatMessage, HFTokenizer, TextPart, Tokenizer, load_tokenizer
 from tandem.v1 import generate_pb2, worker_pb2
 
@@ -148,6 +149,10 @@ class Engine:
         self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
                         if isinstance(self.tokenizer, HFTokenizer)
                         and self.tokenizer.image is not None else None)
+        # Structured output: compiles on its own threads, its tokenizer built on first use.
+        self.constraints = ConstraintCompiler(
+            GuidanceBackend(self.tokenizer), config.limits.max_constraint_chars,
+            config.limits.constraint_compile_timeout_s)
         self.scheduler: Scheduler | None = None
         self.inputs: InputProcessor | None = None
         self.ledger: DeliveryLedger | None = None
@@ -167,7 +172,7 @@ class Engine:
             patch_size=self.model.patch_size, merge_size=self.model.merge_size))
         max_tokens = min(self.model.num_kv_blocks * c.block_size, self.model.max_seq_len)
         self.inputs = InputProcessor(c.limits, images, max_tokens, self.tokenizer,
-                                     self.model.vocab_size)
+                                     self.model.vocab_size, self.constraints)
         self.ledger = DeliveryLedger(self.cache, self.inputs.process, self._offload,
                                      self._redelivered, self.reuse)
         self._reset_state()
@@ -387,6 +392,9 @@ class Engine:
             if output.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.ledger.release(request)  # nothing held normally; the rule is uniform
             self._undelivered.append((request, output))
+        if self._out and self._out[0].out.deferred_masks:  # the next step waits for them
+            await self.workers.send_masks(self._out[0].sent.step_id,
+                                          self.scheduler.deferred_masks(self._out[0].out))
         if self._out:  # the workers are busy with the next step: no reason to wait
             self._deliver()
         if self._debug_invariants:
@@ -679,6 +687,7 @@ class Engine:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.constraints.close()
 
 
 def _model_info(describes: Sequence[worker_pb2.DescribeResponse]) -> ModelInfo:

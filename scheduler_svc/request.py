@@ -12,6 +12,7 @@ from scheduler_svc.output_text import OutputText
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from scheduler_svc.request_trace import RequestTrace
 from tandem.features import MultiModalFeatureSpec
+from tandem.structured import Matcher
 from tandem.v1 import generate_pb2, worker_pb2
 
 
@@ -121,6 +122,9 @@ class Request:
         default_factory=asyncio.Queue, repr=False
     )
     trace: RequestTrace | None = field(default=None, repr=False)
+    # Structured output: where the applied outputs stand in the request's constraint
+    # (None: free text). Only Scheduler.update advances it, with applied tokens only.
+    matcher: Matcher | None = field(default=None, repr=False)
     images: list[ImageRecord] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -41,6 +41,7 @@ from scheduler_svc.request import Request, Status, StepOutput
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+_ONLY_TOKEN_0 = (1).to_bytes(4, "little")  # a token mask (worker.proto) allowing token 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,12 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # encoder outputs this step allocated (the workers compute them in it)
     allocated_mm_hashes: list[str] = field(default_factory=list)
+    # request id -> the tokens it may sample this step (structured output; worker.proto's
+    # token_masks): constrained requests that sample in this step, their matcher current
+    token_masks: dict[str, bytes] = field(default_factory=dict)
+    # constrained requests that sample in this step while the step before samples their
+    # previous token: their masks follow once that step is applied (deferred_masks)
+    deferred_masks: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -138,6 +145,9 @@ class SchedulerOutput:
         assert len(set(ids)) == len(ids), "a request is both new and cached"
         assert set(ids) == set(self.num_scheduled_tokens), "scheduled tokens != requests"
         assert set(self.encoder_inputs) <= set(ids), "encoder inputs of unscheduled requests"
+        deferred = {r.request_id for r in self.deferred_masks}
+        assert set(self.token_masks) | deferred <= set(ids), "masks of unscheduled requests"
+        assert not deferred & set(self.token_masks), "a mask both sent and deferred"
         preempted, finished = set(self.preempted_request_ids), set(self.finished_request_ids)
         assert not preempted & set(ids), "a preempted request is scheduled in the same step"
         assert not preempted & finished, "a request is both preempted and finished"
@@ -318,6 +328,10 @@ class Scheduler:
         request.num_computed_tokens += n
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1  # the step samples its next token
+            if request.matcher is not None and request.num_output_placeholders == 1:
+                out.token_masks[request.request_id] = request.matcher.allowed_mask()
+            elif request.matcher is not None:  # the step out samples what its mask needs
+                out.deferred_masks.append(request)
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -377,7 +391,19 @@ class Scheduler:
         out.preempted.append(request)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
+        out.token_masks.pop(request.request_id, None)
+        out.deferred_masks = [r for r in out.deferred_masks if r is not request]
         out.cached_requests = [c for c in out.cached_requests if c.request is not request]
+
+    def deferred_masks(self, out: SchedulerOutput) -> dict[str, bytes]:
+        """The masks of ``out``'s deferred requests, once the step before it is applied
+        (their matchers have its tokens). A request that is no longer running (finished,
+        aborted or preempted since) gets a mask allowing token 0 alone: what ``out``
+        samples for it is dropped anyway."""
+        return {r.request_id: (r.matcher.allowed_mask()
+                               if r.status is Status.RUNNING and r.matcher is not None
+                               else _ONLY_TOKEN_0)
+                for r in out.deferred_masks}
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: Mapping[str, Sequence[worker_pb2.SampledLogprobs]] | None = None,
@@ -424,14 +450,23 @@ class Scheduler:
 
 
 def _apply_stop(request: Request, new: list[int]) -> tuple[list[int], int]:
-    """Truncate ``new`` at the first stop id or length; the finish reason (or UNSPECIFIED).
+    """Truncate ``new`` at the first stop id, end of its constraint, or length; the finish
+    reason (or UNSPECIFIED).
 
     Under ``min_tokens`` no id ends the request (the workers mask them; this is the rule,
-    whatever was sampled)."""
-    s = request.sampling
+    whatever was sampled). A constrained request ends (STOP) once its output is complete,
+    ``min_tokens`` or not: nothing may follow. A token its constraint refuses (the workers
+    applied the step's mask, so a fault) is dropped and ends it with CONSTRAINT, logged."""
+    s, matcher = request.sampling, request.matcher
     for i, token in enumerate(new):
         outputs = request.num_output_tokens + i + 1
+        if matcher is not None and not matcher.consume(token):
+            log.error("request %s: token %d refused by its constraint (%s); ending it",
+                      request.request_id, token, matcher.error())
+            return new[:i], generate_pb2.FINISH_REASON_CONSTRAINT
         if token in s.ending_ids and outputs > s.min_tokens:
+            return new[: i + 1], generate_pb2.FINISH_REASON_STOP
+        if matcher is not None and matcher.is_stopped():
             return new[: i + 1], generate_pb2.FINISH_REASON_STOP
         if outputs >= s.max_tokens:
             return new[: i + 1], generate_pb2.FINISH_REASON_LENGTH

@@ -32,6 +32,8 @@ def build_step_request(out: SchedulerOutput, step_id: int, segment_name: str,
         num_scheduled_tokens=out.num_scheduled_tokens,
         free_encoder_mm_hashes=out.free_encoder_mm_hashes,
         finished_request_ids=out.finished_request_ids + out.preempted_request_ids,
+        token_masks=out.token_masks,
+        deferred_mask_ids=[r.request_id for r in out.deferred_masks],
     )
     stripped: dict[str, Stripped] = {}
     for new in out.new_requests:

@@ -87,6 +87,16 @@ class _StepStream:
             self.cancel()  # the reader sees the end and fails this step with the others
         return future
 
+    async def send_masks(self, msg: worker_pb2.StepMasks) -> None:
+        """The deferred masks of a step sent earlier on this stream; on an ended stream
+        that step fails as not run, so it needs none."""
+        if self.ended:
+            return
+        try:
+            await self.call.write(worker_pb2.StepsRequest(masks=msg))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            self.cancel()  # the reader sees the end and fails the pending steps
+
     def cancel(self) -> None:
         self.ended = True
         self.call.cancel()
@@ -211,6 +221,14 @@ class WorkerPool:
                 self._streams[rank] = _StepStream(self._stubs[rank], rank)
         futures = [await stream.send(msg) for stream in self._streams if stream is not None]
         return SentStep(msg.step_id, futures)
+
+    async def send_masks(self, step_id: int, masks: dict[str, bytes]) -> None:
+        """The deferred token masks of step ``step_id`` (sent, its result not applied yet)
+        to every worker: each waits for them before sampling it (worker.proto)."""
+        msg = worker_pb2.StepMasks(step_id=step_id, token_masks=masks)
+        for stream in self._streams:
+            if stream is not None:
+                await stream.send_masks(msg)
 
     async def result(self, sent: SentStep, timeout: float) -> StepResult:
         """The outcome of a sent step on every worker, waiting at most ``timeout`` seconds

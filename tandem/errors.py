@@ -53,9 +53,12 @@ class TandemError(Exception):
 
         A RESOURCE_EXHAUSTED without a reason is gRPC's own refusal of a message over the
         server's cap (Tandem's servers always send one): a request too large, not an
-        overload, so HTTP relays it as 413 rather than a 429 a client would retry."""
+        overload, so HTTP relays it as 413 rather than a 429 a client would retry. A bad
+        constraint keeps its OpenAI ``param`` (gRPC does not carry it)."""
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:
             return RequestTooLarge(message)
+        if code == BadConstraint.code and reason == BadConstraint.default_reason:
+            return BadConstraint(message)  # with its HTTP param, response_format
         err = cls(message, reason or code.name)
         err.code = code
         return err
@@ -64,6 +67,15 @@ class TandemError(Exception):
 class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMENT,
                    reason="INVALID_INPUT"):
     pass
+
+
+class BadConstraint(InvalidInput, code=grpc.StatusCode.INVALID_ARGUMENT, reason="BAD_CONSTRAINT"):
+    """A structured-output constraint that cannot be used (bad JSON schema, regex, grammar
+    or choices, too large, too slow to compile): the compiler's message, and the OpenAI
+    field at fault, ``response_format``, as its ``param``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="response_format")
 
 
 class ResourceExhausted(TandemError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):

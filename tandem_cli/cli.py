@@ -223,6 +223,13 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int,
                    default=int(_env("DEFAULT_MAX_TOKENS", "64")),
                    help="max_tokens of a request that sets none")
+    p.add_argument("--max-constraint-chars", type=positive_arg,
+                   default=_env("MAX_CONSTRAINT_CHARS", "65536"),
+                   help="characters of a structured-output constraint (schema, regex, "
+                        "grammar, choices)")
+    p.add_argument("--constraint-compile-timeout", type=seconds_arg,
+                   default=_env("CONSTRAINT_COMPILE_TIMEOUT", "10"),
+                   help="seconds a constraint may take to compile; longer is INVALID_ARGUMENT")
 
 
 def _add_tls_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -257,7 +264,9 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
     limits = Limits(
         max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
+        max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+        max_constraint_chars=args.max_constraint_chars,
+        constraint_compile_timeout_s=args.constraint_compile_timeout)
     return SchedulerConfig(
         model=args.model, listen=args.listen, shm_dir=args.shm_dir, mm_cache=args.mm_cache,
         mm_cache_size=args.mm_cache_size, mm_cache_max_object_size=args.mm_cache_max_object_size,

@@ -4,9 +4,9 @@ cell started with ``--served-model-name``, and ``tandem router`` in front of it:
 
 * model names: the first served name is reported (``/v1/models``, gRPC GetModelInfo, every
   answer's ``model``), any of them is accepted, another gets 404 ``model_not_found``;
-* request fields: ``null`` means the default, ``response_format`` ``text`` is served and
-  the structured ones are refused by name, ``stream_options`` needs ``stream``, a prompt
-  may be token ids;
+* request fields: ``null`` means the default, ``response_format`` ``text`` is served
+  (the structured ones: tests/test_structured_output.py), ``stream_options`` needs
+  ``stream``, a prompt may be token ids;
 * logprobs: ``bytes`` are the token's own bytes, ``text_offset`` counts decoded characters
   (the tiny model's vocabulary is bytes, so every piece of a non-ASCII character is a
   token; a real Qwen vocabulary through the scheduler's own conversion below);
@@ -138,18 +138,6 @@ def test_null_fields_mean_their_default(cell) -> None:
     _client(url).chat.completions.create(model=NAMES[0], max_tokens=2,
                                          response_format={"type": "text"},
                                          messages=[{"role": "user", "content": "Hi"}])
-
-
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "x"}}])
-def test_structured_output_is_refused_by_name(cell, fmt: dict[str, Any]) -> None:
-    _, url = cell
-    with pytest.raises(openai.BadRequestError) as refused:
-        _client(url).chat.completions.create(model=NAMES[0], max_tokens=2,
-                                             response_format=fmt,  # type: ignore[arg-type]
-                                             messages=[{"role": "user", "content": "Hi"}])
-    assert refused.value.body["param"] == "response_format"
-    assert fmt["type"] in refused.value.body["message"]
 
 
 def test_stream_options_without_stream_is_refused_in_openais_words(cell) -> None:

@@ -104,7 +104,7 @@ def test_buf_breaking_catches_a_removed_field(buf: Path, tmp_path: Path) -> None
     proto = edited / "tandem" / "v1" / "generate.proto"
     text = proto.read_text()
     assert "float min_p = 16;" in text
-    proto.write_text(text.replace("float min_p = 16;", "float min_p = 17;"))
+    proto.write_text(text.replace("float min_p = 16;", "float min_p = 99;"))  # a free number
     out = subprocess.run([str(buf), "breaking", "--against", str(ROOT / "proto")], cwd=edited,
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "min_p" in out.stdout, out.stdout + out.stderr

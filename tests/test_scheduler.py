@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from scheduler_svc.output_text import OutputText
 from scheduler_svc.request import Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
 from tandem.features import MultiModalFeatureSpec, PlaceholderRange
+from tandem.structured import Constraint, ConstraintCompiler, GuidanceBackend
 from tandem.text import ByteTokenizer
 from tandem.text import byte_tokenizer as tokenizer
 from tandem.v1 import generate_pb2
@@ -277,3 +280,29 @@ def test_results_go_to_the_request_a_step_carried_not_to_a_later_holder_of_its_i
     assert request is new and output.token_ids == [67] and new.num_output_tokens == 1
     assert new.num_output_placeholders == 0
     h.kv.check_invariants()
+
+
+def test_a_token_its_constraint_refuses_ends_a_request_with_constraint(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Structured output: the step carries the request's mask; a sampled token the matcher
+    refuses (a worker that ignored the mask) is dropped and ends the request, logged; a
+    completed constraint ends another with STOP although max_tokens allows more."""
+    compiler = ConstraintCompiler(GuidanceBackend(ByteTokenizer()))
+    h = Harness()
+    broken, done = _request("broken", image=None, max_tokens=10), _request("done", image=None,
+                                                                          max_tokens=10)
+    broken.matcher = asyncio.run(compiler.matcher(Constraint("regex", "A+b")))
+    done.matcher = asyncio.run(compiler.matcher(Constraint("choice", '["A"]')))
+    for r in (broken, done):
+        h.sched.add_request(r)
+    out, res = h.step(sample=ord("A"))
+    assert set(out.token_masks) == {"broken", "done"}
+    assert res["done"].finish_reason == generate_pb2.FINISH_REASON_STOP and done.is_finished
+    assert res["broken"].finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
+    with caplog.at_level(logging.ERROR, logger="scheduler_svc.scheduler"):
+        _, res = h.step(sample=ord("c"))
+    assert res["broken"].finish_reason == generate_pb2.FINISH_REASON_CONSTRAINT
+    assert res["broken"].token_ids == [] and broken.is_finished
+    assert "refused by its constraint" in caplog.text
+    assert h.kv.num_free_blocks == 64
+    compiler.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import socket
 from pathlib import Path
@@ -23,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from tandem.errors import FailedPrecondition, InvalidInput
-from tandem_testing.cells import png, running_cell
+from tandem.v1 import generate_pb2
+from tandem_testing.cells import png, request, running_cell
 from tandem_testing.scripted import (
     ScriptedRequest,
     ScriptedScheduler,
@@ -175,19 +177,28 @@ def test_sizes_that_do_not_divide_are_refused(tmp_path: Path) -> None:
 PROMPT = "Describe this picture: <image> in a few words, please, and be brief about it."
 
 
-def _serve_twice(tmp: Path, *flags: str) -> tuple[list[list[int]], int, int]:
-    """The same image and prompt twice; (ids of each, cached tokens of the 2nd, unacked)."""
+def _serve_twice(tmp: Path, *flags: str) -> tuple[list[list[int]], int, int, list[int]]:
+    """The same image and prompt twice; (ids of each, cached tokens of the 2nd, unacked,
+    ids of a sampled request under a JSON schema: every rank must apply its masks, or the
+    ranks' next inputs differ)."""
+    constrained = request("JSON: ", max_tokens=40, temperature=1.0, seed=5,
+                          json_schema=json.dumps({"type": "array", "items": {
+                              "type": "integer"}, "maxItems": 3}))
     with running_cell(tmp, "--enable-prefix-caching", *flags) as cell:
         runs = [cell.generate(PROMPT, [png(1)], max_tokens=10) for _ in range(2)]
+        json_ids, text, last = cell.stream(constrained)
         unacked = cell.stats().shm_unacked_refs
     assert cell.proc.returncode == 0
-    return [ids for ids, _, _ in runs], runs[1][2].usage.cached_prompt_tokens, unacked
+    assert last.finish_reason == generate_pb2.FINISH_REASON_STOP and json.loads(text) != ""
+    return ([ids for ids, _, _ in runs], runs[1][2].usage.cached_prompt_tokens, unacked,
+            json_ids)
 
 
 def test_tp2_cell_matches_tp1(tmp_path: Path) -> None:
-    ref, ref_cached, _ = _serve_twice(tmp_path / "tp1")
-    ids, cached, unacked = _serve_twice(tmp_path / "tp2", "--workers", "2",
-                                        "--tensor-parallel-size", "2")
+    ref, ref_cached, _, ref_json = _serve_twice(tmp_path / "tp1")
+    ids, cached, unacked, json_ids = _serve_twice(tmp_path / "tp2", "--workers", "2",
+                                                  "--tensor-parallel-size", "2")
     assert ids == ref and ids[0] == ids[1] and len(set(ids[0])) > 1
+    assert json_ids == ref_json and len(json_ids) > 3, "every rank applies the token masks"
     assert cached == ref_cached > 0, "the second request hits the prefix cache"
     assert unacked == 0, "both ranks acknowledged every SHM reference"

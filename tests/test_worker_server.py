@@ -190,6 +190,51 @@ def test_steps_stream_runs_in_order_and_stops_at_a_failed_step(tmp_path: Path) -
     asyncio.run(_steps_scenario(tmp_path))
 
 
+async def _deferred_masks_scenario(tmp_path: Path) -> None:
+    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
+                          kv_cache_bytes=32 << 20)
+    worker = await create_server(config)
+    try:
+        await worker.warmup
+        async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            tokens = [BOS_ID, ord("a"), ord("b")]
+            only_z = (1 << (ord("z") % 32)).to_bytes(4, "little")
+            only_z = bytes(4 * (ord("z") // 32)) + only_z  # the words before z's are 0
+            msg = step_to_proto(StepInput(1, new_requests=[NewRequestData(
+                "a", tokens, 3, [], SamplingParams(), [0], 0)], num_scheduled_tokens={"a": 3}))
+            msg.deferred_mask_ids.append("a")
+            with pytest.raises(grpc.aio.AioRpcError) as unary:  # no stream, no masks to come
+                await stub.Step(msg, timeout=30)
+            assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            call = stub.Steps()
+            await call.write(worker_pb2.StepsRequest(step=msg))
+            await call.write(worker_pb2.StepsRequest(masks=worker_pb2.StepMasks(
+                step_id=1, token_masks={"a": only_z})))
+            answer = await asyncio.wait_for(call.read(), 30)
+            assert list(answer.done.sampled["a"].token_ids) == [ord("z")]
+            # The scheduler leaves without sending a step's masks: the step fails (not a
+            # refusal: the worker had committed to it) and nothing waits for good.
+            decode = step_to_proto(StepInput(2, num_scheduled_tokens={"a": 1}))
+            decode.cached_requests.add(request_id="a", num_computed_tokens=3)
+            decode.deferred_mask_ids.append("a")
+            await call.write(worker_pb2.StepsRequest(step=decode))
+            await call.done_writing()
+            failed = await asyncio.wait_for(call.read(), 30)
+            assert (failed.error.code, failed.error.reason) == (
+                grpc.StatusCode.UNAVAILABLE.value[0], "MASKS_NOT_SENT")
+    finally:
+        await shutdown(worker)
+
+
+def test_deferred_token_masks_are_waited_for_until_they_come_or_the_stream_ends(
+        tmp_path: Path) -> None:
+    """Structured output under asynchronous scheduling (worker.proto deferred_mask_ids):
+    the worker samples with masks sent after the step, refuses them on the unary Step, and
+    a stream that ends without them fails the step rather than hanging the step thread."""
+    asyncio.run(_deferred_masks_scenario(tmp_path))
+
+
 async def _late_step_scenario(tmp_path: Path) -> None:
     config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
                           kv_cache_bytes=32 << 20)

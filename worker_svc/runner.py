@@ -31,6 +31,7 @@ from worker_svc.sampler import (
     sample,
     token_logprobs,
     token_seed,
+    unpack_token_masks,
 )
 from worker_svc.step import Logprobs, NewRequestData, SamplingParams, StepInput, StepOutput
 from worker_svc.synthetic import synthetic_image
@@ -99,7 +100,8 @@ class StepRunner:
         # Address items are acknowledged only by an accepted step (a rejected one leaves
         # every counter as it was); this raises only if the segment was re-created since.
         acked = self.receiver.acknowledge(to_ack) if self.receiver is not None else 0
-        # Commit point: nothing below raises for a step that passed the checks above.
+        # Commit point: nothing below raises for a step that passed the checks above, but
+        # a wait for deferred token masks that fails (DeferredMasks.wait: not a refusal).
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)
         self.encoder_cache.free(step.free_encoder_mm_hashes)
@@ -144,6 +146,13 @@ class StepRunner:
                                  c.new_block_ids, len(state.block_ids), n)
             scheduled[c.request_id] = _Scheduled(state.features, state.num_computed_tokens, n)
         self._validate_encoder_inputs(step, scheduled)
+        deferred = step.deferred_masks.request_ids if step.deferred_masks is not None else ()
+        bad_masks = [rid for rid, m in step.token_masks.items()
+                     if rid not in scheduled or not m or len(m) % 4 or rid in deferred]
+        bad_masks += [rid for rid in deferred if rid not in scheduled]
+        if bad_masks:
+            raise InvalidInput(f"token masks of {sorted(bad_masks)[:4]}: not scheduled, given "
+                               "twice, or not whole int32 words", reason="BAD_TOKEN_MASK")
 
     def _validate_new(self, r: NewRequestData) -> None:
         n = len(r.token_ids)
@@ -300,7 +309,10 @@ class StepRunner:
             return {}, {}
         batch = build_batch(scheduled, self.encoder_cache, self.model.block_size, self.device)
         logits = self.model(batch.inputs)
-        tokens, logprobs = self._sample(logits, batch.sampling)
+        masks = step.token_masks
+        if step.deferred_masks is not None:  # the forward runs on while the host waits
+            masks = {**masks, **step.deferred_masks.wait()}
+        tokens, logprobs = self._sample(logits, batch.sampling, masks)
         for state, n in scheduled:
             state.num_computed_tokens += n
         for state, token in zip(batch.sampling, tokens, strict=True):
@@ -310,14 +322,15 @@ class StepRunner:
         return ({s.request_id: [t] for s, t in zip(batch.sampling, tokens, strict=True)},
                 logprobs)
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]
-                ) -> tuple[list[int], dict[str, list[Logprobs]]]:
+    def _sample(self, logits: torch.Tensor, states: list[RequestState],
+                token_masks: dict[str, bytes]) -> tuple[list[int], dict[str, list[Logprobs]]]:
         """The order of :mod:`worker_svc.sampler`; ``logits`` stay raw for the logprobs."""
         if not states:
             return [], {}
         dev = logits.device
         params = [s.sampling for s in states]
-        tokens = self._draw(self._penalised(self._mask_stops(logits, states), states), states)
+        masked = self._mask_stops(self._constrain(logits, states, token_masks), states)
+        tokens = self._draw(self._penalised(masked, states), states)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if not wanted:
             return tokens.tolist(), {}  # the step's one host sync
@@ -354,6 +367,19 @@ class StepRunner:
             noise=exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
                                     logits.shape[-1], dev),
         )
+
+    def _constrain(self, logits: torch.Tensor, states: list[RequestState],
+                   token_masks: dict[str, bytes]) -> torch.Tensor:
+        """Structured output: a row with a mask samples only the tokens it allows. A new
+        tensor: the raw logits stay for the logprobs."""
+        rows = [r for r, s in enumerate(states) if s.request_id in token_masks]
+        if not rows:
+            return logits
+        dev = logits.device
+        allowed = unpack_token_masks([token_masks[states[r].request_id] for r in rows],
+                                     logits.shape[-1], dev)  # (C, V)
+        index = torch.tensor(rows, device=dev)
+        return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
 
     def _mask_stops(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """min_tokens: rows short of their minimum cannot sample EOS (unless ignore_eos)
@@ -419,3 +445,4 @@ class StepRunner:
         for state in self.requests.values():
             state.check_invariants(self.model.block_size, self.model.num_blocks)
         self.encoder_cache.check_invariants()
+

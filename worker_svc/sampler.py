@@ -6,7 +6,8 @@ parameters mean what they mean there::
 
     raw logits --> logprobs (what a client sees: the model's own distribution)
         |
-        +--> mask stop ids (min_tokens) --> penalties --> greedy: argmax
+        +--> token masks (structured output) --> mask stop ids (min_tokens)
+                 --> penalties --> greedy: argmax
                                                  |
                                                  +--> / temperature --> min-p --> top-k,
                                                       top-p --> categorical draw
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -129,3 +131,20 @@ def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tens
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # (R,)
     top, top_ids = logprobs.topk(k, dim=-1)  # (R, k)
     return chosen, top_ids, top
+
+
+def unpack_token_masks(masks: Sequence[bytes], vocab: int, device: torch.device) -> Tensor:
+    """(C, vocab) bool: which tokens each packed bitmap allows (``worker.proto``'s
+    ``token_masks``: little-endian int32 words, bit j of word i is token 32 * i + j).
+    Tokens past a bitmap's end are not allowed (the model's vocabulary may be padded past
+    the tokenizer's)."""
+    words = max(len(m) for m in masks) // 4
+    packed = np.zeros((len(masks), words), dtype=np.int32)
+    for i, m in enumerate(masks):
+        packed[i, :len(m) // 4] = np.frombuffer(m, dtype="<i4")
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (torch.from_numpy(packed).to(device)[:, :, None] >> shifts) & 1  # (C, W, 32)
+    allowed = bits.reshape(len(masks), words * 32).bool()  # (C, 32 W)
+    if words * 32 >= vocab:
+        return allowed[:, :vocab]
+    return torch.nn.functional.pad(allowed, (0, vocab - words * 32))  # (C, vocab)

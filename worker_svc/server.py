@@ -15,13 +15,13 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from tandem.errors import ResourceExhausted, TandemError, Unavailable, reported
+from tandem.errors import InvalidInput, ResourceExhausted, TandemError, Unavailable, reported
 from tandem.feature_codec import descriptor_from_proto
 from tandem.grpc_server import GrpcServer
 from tandem.metrics import MetricsEndpoint, SnapshotCollector
@@ -32,7 +32,7 @@ from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig
 from worker_svc.runner import StepRunner
-from worker_svc.step import StepInput, StepOutput
+from worker_svc.step import DeferredMasks, StepInput, StepOutput
 from worker_svc.step_codec import step_from_proto, step_output_to_proto
 from worker_svc.step_telemetry import StepTelemetry
 from worker_svc.tensor_parallel import GroupLost, join_group, leave_group, rank_device
@@ -125,16 +125,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async def read() -> None:
             try:
                 async for request in requests:
+                    if request.HasField("masks"):
+                        stream.deliver(request.masks)
+                        continue
                     step_id = request.step.step_id
                     try:
                         self._check_ready()
                         step: StepInput | Exception = step_from_proto(request.step)
                     except Exception as exc:  # answered in its turn, as the thread would
                         step = exc
+                    if not isinstance(step, Exception) and step.deferred_masks is not None:
+                        stream.deferred[step_id] = step.deferred_masks
                     queued.put_nowait((step_id, loop.run_in_executor(
                         self.executor, self._stream_step, request.step.segment_generation,
                         step_id, step, stream)))
             finally:
+                stream.cancel_deferred()  # no masks can come any more
                 queued.put_nowait(None)
 
         reader = asyncio.create_task(read(), name="steps-reader")
@@ -151,6 +157,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     worker_pb2.StepsResponse(step_id=step_id, done=step_output_to_proto(out)))
         finally:
             stream.ended = True
+            stream.cancel_deferred()
             reader.cancel()
             self._step_call_ended()
 
@@ -253,6 +260,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         self._last_step = (request.segment_generation, request.step_id)
+        if request.deferred_mask_ids:
+            raise InvalidInput("deferred token masks come on the Steps stream only",
+                               reason="BAD_TOKEN_MASK")
         return step_output_to_proto(self._run_step(step_from_proto(request)))
 
     def _run_step(self, step: StepInput) -> StepOutput:
@@ -272,6 +282,22 @@ class _StreamState:
 
     failed: bool = False  # a step failed: the later ones are not run
     ended: bool = False  # the stream is gone: steps still queued are not run
+    # step id -> the masks it waits for (only the reader, on the event loop, touches it)
+    deferred: dict[int, DeferredMasks] = field(default_factory=dict)
+
+    def deliver(self, msg: worker_pb2.StepMasks) -> None:
+        """The deferred masks of a step sent earlier; for one that is not waiting (it
+        failed to decode), nothing."""
+        waiting = self.deferred.pop(msg.step_id, None)
+        if waiting is None:
+            log.warning("token masks for step %d, which awaits none", msg.step_id)
+            return
+        waiting.deliver(dict(msg.token_masks))
+
+    def cancel_deferred(self) -> None:
+        for waiting in self.deferred.values():
+            waiting.cancel()
+        self.deferred.clear()
 
 
 def kv_cache_blocks(config: WorkerConfig, model_config: ModelConfig, device: torch.device,

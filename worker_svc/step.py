@@ -7,8 +7,10 @@ logs never show prompts.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
+from tandem.errors import TandemError, Unavailable
 from tandem.features import MultiModalFeatureSpec
 
 
@@ -61,6 +63,41 @@ class CachedRequestData:
     num_computed_tokens: int  # must equal the worker's own count
 
 
+class DeferredMasks:
+    """Token masks that come after their step (``deferred_mask_ids``, then a ``StepMasks``
+    on the same stream): the stream's reader delivers them, the step thread waits for them
+    between the forward and the sampling. The wait ends when they come or when the stream
+    ends (:meth:`cancel`); the scheduler bounds it with its step timeout, after which it
+    cancels the stream. Delivered or cancelled once; later calls change nothing."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = frozenset(request_ids)
+        self._event = threading.Event()
+        self._masks: dict[str, bytes] | None = None  # None: cancelled (if the event is set)
+
+    def deliver(self, masks: dict[str, bytes]) -> None:
+        if not self._event.is_set():
+            self._masks = masks
+            self._event.set()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    def wait(self) -> dict[str, bytes]:
+        self._event.wait()
+        if self._masks is None:
+            raise Unavailable("the step stream ended before the step's token masks came",
+                              reason="MASKS_NOT_SENT")
+        if self._masks.keys() != self.request_ids or any(
+                not m or len(m) % 4 for m in self._masks.values()):
+            # NOTE: past the step's commit point, so not a refusal (which would tell the
+            # scheduler nothing changed here): an internal error, the worker counts as lost.
+            raise TandemError("the deferred token masks do not match the step's "
+                              "deferred_mask_ids, or are not whole int32 words",
+                              reason="BAD_TOKEN_MASK")
+        return self._masks
+
+
 @dataclass(frozen=True)
 class StepInput:
     """Invariant: ``num_scheduled_tokens`` has exactly the ids of new + cached requests."""
@@ -75,6 +112,11 @@ class StepInput:
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     trace_context: dict[str, str] = field(default_factory=dict)  # id -> W3C traceparent
+    # id -> the tokens it may sample (structured output): little-endian int32 bitmap words,
+    # bit j of word i allows token 32 * i + j; logits past the bitmap are refused
+    token_masks: dict[str, bytes] = field(default_factory=dict, repr=False)
+    # Masks that follow the step (asynchronous scheduling); None: every mask is above
+    deferred_masks: DeferredMasks | None = field(default=None, repr=False)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -10,6 +10,7 @@ from tandem.feature_codec import feature_from_proto, feature_to_proto
 from tandem.v1 import generate_pb2, worker_pb2
 from worker_svc.step import (
     CachedRequestData,
+    DeferredMasks,
     Logprobs,
     NewRequestData,
     SamplingParams,
@@ -85,6 +86,9 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> StepInput:
         free_encoder_mm_hashes=list(msg.free_encoder_mm_hashes),
         finished_request_ids=list(msg.finished_request_ids),
         trace_context=dict(msg.trace_context),
+        token_masks=dict(msg.token_masks),
+        deferred_masks=(DeferredMasks(list(msg.deferred_mask_ids)) if msg.deferred_mask_ids
+                        else None),
     )
 
 
@@ -107,6 +111,9 @@ def step_to_proto(step: StepInput) -> worker_pb2.StepRequest:
         free_encoder_mm_hashes=step.free_encoder_mm_hashes,
         finished_request_ids=step.finished_request_ids,
         trace_context=step.trace_context,
+        token_masks=step.token_masks,
+        deferred_mask_ids=(sorted(step.deferred_masks.request_ids)
+                           if step.deferred_masks is not None else []),
     )
 
 

@@ -5,7 +5,8 @@ Every OpenAI field maps onto a ``GenerateRequest`` field; the scheduler then val
 the values exactly as it does for gRPC, so both APIs accept and refuse the same requests.
 What the proto cannot express is refused here, with the field named: ``n`` other than 1,
 several prompts in one request, images given as remote URLs that were not fetched,
-``echo``, ``suffix`` and a ``response_format`` other than ``text``.
+``echo`` and ``suffix``. ``response_format`` and vLLM's ``structured_outputs`` become the
+proto's constraint.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import json
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.errors import InvalidInput, NotFound, RequestTooLarge
+from tandem.errors import BadConstraint, InvalidInput, NotFound, RequestTooLarge
 from tandem.openai_api import schema
 from tandem.request_limits import base64_length
 from tandem.v1 import generate_pb2
@@ -29,6 +31,7 @@ FINISH_REASONS = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
     generate_pb2.FINISH_REASON_ABORT: "abort",
+    generate_pb2.FINISH_REASON_CONSTRAINT: "error",
 }
 
 
@@ -133,10 +136,6 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
         # OpenAI's own refusal, word for word.
         raise InvalidInput("The 'stream_options' parameter is only allowed when 'stream' is "
                            "enabled.", "INVALID_REQUEST", "stream_options")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidInput(f"response_format {req.response_format.type!r} is not supported "
-                           "(structured output is not served here; only 'text')",
-                           "UNSUPPORTED", "response_format")
     s = generate_pb2.SamplingParams(
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_k=req.top_k or 0, min_p=req.min_p or 0.0,
@@ -154,7 +153,48 @@ def sampling(req: schema.SamplingFields, max_tokens: int | None, logprobs: bool,
         s.seed = req.seed
     if req.repetition_penalty is not None:
         s.repetition_penalty = req.repetition_penalty
+    _constraint(req, s)
     return s
+
+
+def _constraint(req: schema.SamplingFields, s: generate_pb2.SamplingParams) -> None:
+    """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the proto's
+    constraint; the scheduler compiles it (a bad one: 400 with ``param: response_format``)."""
+    fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise BadConstraint("set response_format or structured_outputs, not both")
+    if fmt is not None and fmt.type == "json_object":
+        s.json_object = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadConstraint("response_format of type json_schema needs its json_schema "
+                                "({\"name\": ..., \"schema\": {...}})")
+        schema_ = fmt.json_schema.schema_
+        s.json_schema = json.dumps({} if schema_ is None else schema_)
+    elif extra is not None:
+        _structured_outputs(extra, s)
+
+
+def _structured_outputs(extra: schema.StructuredOutputs, s: generate_pb2.SamplingParams,
+                        ) -> None:
+    kinds = [k for k, v in (("json", extra.json_), ("regex", extra.regex),
+                            ("choice", extra.choice), ("grammar", extra.grammar),
+                            ("json_object", extra.json_object)) if v is not None]
+    if len(kinds) != 1:
+        raise InvalidInput(f"structured_outputs must set exactly one of json, regex, choice, "
+                           f"grammar and json_object (got {kinds or 'none'})",
+                           "BAD_CONSTRAINT", "structured_outputs")
+    if extra.json_ is not None:
+        s.json_schema = (extra.json_ if isinstance(extra.json_, str)
+                         else json.dumps(extra.json_))
+    elif extra.regex is not None:
+        s.regex = extra.regex
+    elif extra.choice is not None:
+        s.choice.choices.extend(extra.choice)
+    elif extra.grammar is not None:
+        s.grammar = extra.grammar
+    else:
+        s.json_object = bool(extra.json_object)
 
 
 def media_item(url: str, param: str, fetched: Mapping[str, tuple[bytes, str]],

@@ -6,7 +6,8 @@ field rather than an answer that silently ignored it; the few fields every SDK s
 that change nothing here (``user``) are declared and ignored. A ``null`` field is the
 same as an absent one, as in OpenAI's API. Tandem's own extensions
 follow vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``) plus ``cache_salt``.
+``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
+``structured_outputs``) plus ``cache_salt``.
 Field ranges are checked by the scheduler (one rule set for gRPC and HTTP), not here.
 """
 
@@ -40,11 +41,30 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    """Only ``text`` is served; the others are refused by name (not silently ignored)."""
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``: the schema is always enforced (``strict``
+    is accepted either way); no schema means any JSON value."""
 
+    name: str = Field(max_length=64)
+    description: str | None = None  # accepted, unused
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` extension: exactly one of these (``json``: a JSON
+    schema, as an object or its text; ``grammar``: llguidance's Lark dialect)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -69,6 +89,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     cache_salt: str | None = None
     user: str | None = None  # accepted, unused
 

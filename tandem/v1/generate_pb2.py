@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import tensor_pb2 as tandem_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/tensor.proto\"z\n\tMediaItem\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x11\n\x04uuid\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x11\n\tmime_type\x18\x04 \x01(\tB\x06\n\x04\x64\x61taB\x07\n\x05_uuid\"L\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x14.tandem.v1.MediaItemH\x00\x42\x06\n\x04part\"D\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ContentPart\"\xac\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x10 \x01(\x02\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12$\n\x06images\x18\x03 \x03(\x0b\x32\x14.tandem.v1.MediaItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\"\xbd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08mm_items\x18\x04 \x01(\r\x12\x15\n\rmm_cache_hits\x18\x05 \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x06 \x01(\r\x12%\n\x06images\x18\x07 \x03(\x0b\x32\x15.tandem.v1.ImageUsage\"\xeb\x01\n\nImageUsage\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x38\n\x0fprocessor_cache\x18\x02 \x01(\x0e\x32\x1f.tandem.v1.ProcessorCacheResult\x12\x16\n\x0erefused_reason\x18\x03 \x01(\t\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.tandem.v1.ImageTransport\x12)\n\x07\x65ncoder\x18\x05 \x01(\x0e\x32\x18.tandem.v1.EncoderResult\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0e\n\x06tokens\x18\x07 \x01(\r\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\x0f\n\x07special\x18\x05 \x01(\x08\"i\n\x10PositionLogprobs\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x99\x04\n\x12\x43\x61\x63heStatsResponse\x12\x1a\n\x12shm_capacity_bytes\x18\x01 \x01(\x04\x12\x16\n\x0eshm_used_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bshm_objects\x18\x03 \x01(\x04\x12\x18\n\x10shm_unacked_refs\x18\x04 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x05 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x06 \x01(\x04\x12\x1b\n\x13mm_cache_hits_total\x18\x07 \x01(\x04\x12\x1d\n\x15mm_cache_misses_total\x18\x08 \x01(\x04\x12\x15\n\rmm_cache_type\x18\t \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x04\x12\x1f\n\x17mm_cache_capacity_bytes\x18\x0c \x01(\x04\x12-\n\x0emm_cache_curve\x18\r \x03(\x0b\x32\x15.tandem.v1.CurvePoint\x12%\n\x1dmm_cache_achievable_hit_ratio\x18\x0e \x01(\x01\x12!\n\x19mm_cache_curve_references\x18\x0f \x01(\x04\x12\"\n\x1amm_cache_recommended_bytes\x18\x10 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x11 \x01(\x04\"7\n\nCurvePoint\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x11\n\thit_ratio\x18\x02 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\x0bImageLimits\x12\x12\n\nmin_pixels\x18\x01 \x01(\x04\x12\x12\n\nmax_pixels\x18\x02 \x01(\x04\x12\x1e\n\x16max_images_per_request\x18\x03 \x01(\r\x12\x17\n\x0fmax_image_bytes\x18\x04 \x01(\x04\x12\x18\n\x10max_input_pixels\x18\x05 \x01(\x04\"\xe9\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12,\n\x0cimage_limits\x18\n \x01(\x0b\x32\x16.tandem.v1.ImageLimits\x12\x15\n\rmm_cache_type\x18\x0b \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12\x1a\n\x12served_model_names\x18\r \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xa3\x01\n\x14ProcessorCacheResult\x12&\n\"PROCESSOR_CACHE_RESULT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROCESSOR_CACHE_RESULT_HIT\x10\x01\x12\x1f\n\x1bPROCESSOR_CACHE_RESULT_MISS\x10\x02\x12\"\n\x1ePROCESSOR_CACHE_RESULT_REFUSED\x10\x03*f\n\x0eImageTransport\x12\x1f\n\x1bIMAGE_TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13IMAGE_TRANSPORT_SHM\x10\x01\x12\x1a\n\x16IMAGE_TRANSPORT_INLINE\x10\x02*~\n\rEncoderResult\x12\x1e\n\x1a\x45NCODER_RESULT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NCODER_RESULT_RAN\x10\x01\x12\x19\n\x15\x45NCODER_RESULT_CACHED\x10\x02\x12\x1a\n\x16\x45NCODER_RESULT_SKIPPED\x10\x03\x32\xef\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nCacheStats\x12\x1c.tandem.v1.CacheStatsRequest\x1a\x1d.tandem.v1.CacheStatsResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/tensor.proto\"z\n\tMediaItem\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x11\n\x04uuid\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x11\n\tmime_type\x18\x04 \x01(\tB\x06\n\x04\x64\x61taB\x07\n\x05_uuid\"L\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x14.tandem.v1.MediaItemH\x00\x42\x06\n\x04part\"D\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ContentPart\"\xb5\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\'\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12$\n\x06images\x18\x03 \x03(\x0b\x32\x14.tandem.v1.MediaItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\"\xbd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08mm_items\x18\x04 \x01(\r\x12\x15\n\rmm_cache_hits\x18\x05 \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x06 \x01(\r\x12%\n\x06images\x18\x07 \x03(\x0b\x32\x15.tandem.v1.ImageUsage\"\xeb\x01\n\nImageUsage\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x38\n\x0fprocessor_cache\x18\x02 \x01(\x0e\x32\x1f.tandem.v1.ProcessorCacheResult\x12\x16\n\x0erefused_reason\x18\x03 \x01(\t\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.tandem.v1.ImageTransport\x12)\n\x07\x65ncoder\x18\x05 \x01(\x0e\x32\x18.tandem.v1.EncoderResult\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0e\n\x06tokens\x18\x07 \x01(\r\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\x0f\n\x07special\x18\x05 \x01(\x08\"i\n\x10PositionLogprobs\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x99\x04\n\x12\x43\x61\x63heStatsResponse\x12\x1a\n\x12shm_capacity_bytes\x18\x01 \x01(\x04\x12\x16\n\x0eshm_used_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bshm_objects\x18\x03 \x01(\x04\x12\x18\n\x10shm_unacked_refs\x18\x04 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x05 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x06 \x01(\x04\x12\x1b\n\x13mm_cache_hits_total\x18\x07 \x01(\x04\x12\x1d\n\x15mm_cache_misses_total\x18\x08 \x01(\x04\x12\x15\n\rmm_cache_type\x18\t \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x04\x12\x1f\n\x17mm_cache_capacity_bytes\x18\x0c \x01(\x04\x12-\n\x0emm_cache_curve\x18\r \x03(\x0b\x32\x15.tandem.v1.CurvePoint\x12%\n\x1dmm_cache_achievable_hit_ratio\x18\x0e \x01(\x01\x12!\n\x19mm_cache_curve_references\x18\x0f \x01(\x04\x12\"\n\x1amm_cache_recommended_bytes\x18\x10 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x11 \x01(\x04\"7\n\nCurvePoint\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x11\n\thit_ratio\x18\x02 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\x0bImageLimits\x12\x12\n\nmin_pixels\x18\x01 \x01(\x04\x12\x12\n\nmax_pixels\x18\x02 \x01(\x04\x12\x1e\n\x16max_images_per_request\x18\x03 \x01(\r\x12\x17\n\x0fmax_image_bytes\x18\x04 \x01(\x04\x12\x18\n\x10max_input_pixels\x18\x05 \x01(\x04\"\xe9\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12,\n\x0cimage_limits\x18\n \x01(\x0b\x32\x16.tandem.v1.ImageLimits\x12\x15\n\rmm_cache_type\x18\x0b \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12\x1a\n\x12served_model_names\x18\r \x03(\t*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_CONSTRAINT\x10\x04*\xa3\x01\n\x14ProcessorCacheResult\x12&\n\"PROCESSOR_CACHE_RESULT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROCESSOR_CACHE_RESULT_HIT\x10\x01\x12\x1f\n\x1bPROCESSOR_CACHE_RESULT_MISS\x10\x02\x12\"\n\x1ePROCESSOR_CACHE_RESULT_REFUSED\x10\x03*f\n\x0eImageTransport\x12\x1f\n\x1bIMAGE_TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13IMAGE_TRANSPORT_SHM\x10\x01\x12\x1a\n\x16IMAGE_TRANSPORT_INLINE\x10\x02*~\n\rEncoderResult\x12\x1e\n\x1a\x45NCODER_RESULT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NCODER_RESULT_RAN\x10\x01\x12\x19\n\x15\x45NCODER_RESULT_CACHED\x10\x02\x12\x1a\n\x16\x45NCODER_RESULT_SKIPPED\x10\x03\x32\xef\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nCacheStats\x12\x1c.tandem.v1.CacheStatsRequest\x1a\x1d.tandem.v1.CacheStatsResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2979
-  _globals['_FINISHREASON']._serialized_end=3099
-  _globals['_PROCESSORCACHERESULT']._serialized_start=3102
-  _globals['_PROCESSORCACHERESULT']._serialized_end=3265
-  _globals['_IMAGETRANSPORT']._serialized_start=3267
-  _globals['_IMAGETRANSPORT']._serialized_end=3369
-  _globals['_ENCODERRESULT']._serialized_start=3371
-  _globals['_ENCODERRESULT']._serialized_end=3497
+  _globals['_FINISHREASON']._serialized_start=3148
+  _globals['_FINISHREASON']._serialized_end=3298
+  _globals['_PROCESSORCACHERESULT']._serialized_start=3301
+  _globals['_PROCESSORCACHERESULT']._serialized_end=3464
+  _globals['_IMAGETRANSPORT']._serialized_start=3466
+  _globals['_IMAGETRANSPORT']._serialized_end=3568
+  _globals['_ENCODERRESULT']._serialized_start=3570
+  _globals['_ENCODERRESULT']._serialized_end=3696
   _globals['_MEDIAITEM']._serialized_start=63
   _globals['_MEDIAITEM']._serialized_end=185
   _globals['_CONTENTPART']._serialized_start=187
@@ -47,31 +47,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=265
   _globals['_CHATMESSAGE']._serialized_end=333
   _globals['_SAMPLINGPARAMS']._serialized_start=336
-  _globals['_SAMPLINGPARAMS']._serialized_end=764
-  _globals['_GENERATEREQUEST']._serialized_start=767
-  _globals['_GENERATEREQUEST']._serialized_end=991
-  _globals['_USAGE']._serialized_start=994
-  _globals['_USAGE']._serialized_end=1183
-  _globals['_IMAGEUSAGE']._serialized_start=1186
-  _globals['_IMAGEUSAGE']._serialized_end=1421
-  _globals['_TOKENLOGPROB']._serialized_start=1423
-  _globals['_TOKENLOGPROB']._serialized_end=1524
-  _globals['_POSITIONLOGPROBS']._serialized_start=1526
-  _globals['_POSITIONLOGPROBS']._serialized_end=1631
-  _globals['_GENERATERESPONSE']._serialized_start=1634
-  _globals['_GENERATERESPONSE']._serialized_end=1833
-  _globals['_CACHESTATSREQUEST']._serialized_start=1835
-  _globals['_CACHESTATSREQUEST']._serialized_end=1854
-  _globals['_CACHESTATSRESPONSE']._serialized_start=1857
-  _globals['_CACHESTATSRESPONSE']._serialized_end=2394
-  _globals['_CURVEPOINT']._serialized_start=2396
-  _globals['_CURVEPOINT']._serialized_end=2451
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2453
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2474
-  _globals['_IMAGELIMITS']._serialized_start=2477
-  _globals['_IMAGELIMITS']._serialized_end=2613
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2616
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2977
-  _globals['_GENERATION']._serialized_start=3500
-  _globals['_GENERATION']._serialized_end=3739
+  _globals['_SAMPLINGPARAMS']._serialized_end=901
+  _globals['_CHOICELIST']._serialized_start=903
+  _globals['_CHOICELIST']._serialized_end=932
+  _globals['_GENERATEREQUEST']._serialized_start=935
+  _globals['_GENERATEREQUEST']._serialized_end=1159
+  _globals['_USAGE']._serialized_start=1162
+  _globals['_USAGE']._serialized_end=1351
+  _globals['_IMAGEUSAGE']._serialized_start=1354
+  _globals['_IMAGEUSAGE']._serialized_end=1589
+  _globals['_TOKENLOGPROB']._serialized_start=1591
+  _globals['_TOKENLOGPROB']._serialized_end=1692
+  _globals['_POSITIONLOGPROBS']._serialized_start=1694
+  _globals['_POSITIONLOGPROBS']._serialized_end=1799
+  _globals['_GENERATERESPONSE']._serialized_start=1802
+  _globals['_GENERATERESPONSE']._serialized_end=2001
+  _globals['_CACHESTATSREQUEST']._serialized_start=2003
+  _globals['_CACHESTATSREQUEST']._serialized_end=2022
+  _globals['_CACHESTATSRESPONSE']._serialized_start=2025
+  _globals['_CACHESTATSRESPONSE']._serialized_end=2562
+  _globals['_CURVEPOINT']._serialized_start=2564
+  _globals['_CURVEPOINT']._serialized_end=2619
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2621
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2642
+  _globals['_IMAGELIMITS']._serialized_start=2645
+  _globals['_IMAGELIMITS']._serialized_end=2781
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2784
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3145
+  _globals['_GENERATION']._serialized_start=3699
+  _globals['_GENERATION']._serialized_end=3938
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 from tandem.v1 import tensor_pb2 as tandem_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\x1a\x16tandem/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x1a\n\x12segment_generation\x18\t \x01(\x04\x12\x14\n\x0clast_step_id\x18\n \x01(\x04\x12\x1c\n\x14last_step_generation\x18\x0b \x01(\x04\"l\n\x12\x41\x63knowledgeRequest\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x1a\n\x12segment_generation\x18\x02 \x01(\x04\x12$\n\x05steps\x18\x03 \x03(\x0b\x32\x15.tandem.v1.UnseenStep\"C\n\nUnseenStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.tandem.v1.ShmAddress\":\n\x13\x41\x63knowledgeResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\"T\n\x0c\x46\x65\x61tureField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x13\n\x0bkeep_on_cpu\x18\x03 \x01(\x08\"6\n\x0b\x46\x65\x61tureItem\x12\'\n\x06\x66ields\x18\x01 \x03(\x0b\x32\x17.tandem.v1.FeatureField\"e\n\nShmAddress\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x14\n\x0cmonotonic_id\x18\x03 \x01(\x04\x12\x0c\n\x04refs\x18\x04 \x01(\r\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xa5\x01\n\x07\x46\x65\x61ture\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\r\x12&\n\x04item\x18\x05 \x01(\x0b\x32\x16.tandem.v1.FeatureItemH\x00\x12$\n\x03shm\x18\x06 \x01(\x0b\x32\x15.tandem.v1.ShmAddressH\x00\x42\x06\n\x04\x64\x61ta\"\xd1\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12$\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x12.tandem.v1.Feature\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\"W\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\"(\n\rEncoderInputs\x12\x17\n\x0f\x66\x65\x61ture_indices\x18\x01 \x03(\r\"\x9c\x05\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x1a\n\x12segment_generation\x18\x03 \x01(\x04\x12+\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x15.tandem.v1.NewRequest\x12\x31\n\x0f\x63\x61\x63hed_requests\x18\x05 \x03(\x0b\x32\x18.tandem.v1.CachedRequest\x12L\n\x14num_scheduled_tokens\x18\x06 \x03(\x0b\x32..tandem.v1.StepRequest.NumScheduledTokensEntry\x12T\n\x18scheduled_encoder_inputs\x18\x07 \x03(\x0b\x32\x32.tandem.v1.StepRequest.ScheduledEncoderInputsEntry\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x08 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\t \x03(\t\x12?\n\rtrace_context\x18\n \x03(\x0b\x32(.tandem.v1.StepRequest.TraceContextEntry\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1aW\n\x1bScheduledEncoderInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tandem.v1.EncoderInputs:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\rSampledTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xdf\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x07sampled\x18\x02 \x03(\x0b\x32$.tandem.v1.StepResponse.SampledEntry\x12\x14\n\x0cshm_resolved\x18\x03 \x01(\r\x12\x11\n\tshm_acked\x18\x04 \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x05 \x01(\r\x1aH\n\x0cSampledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tandem.v1.SampledTokens:\x02\x38\x01\"4\n\x0cStepsRequest\x12$\n\x04step\x18\x01 \x01(\x0b\x32\x16.tandem.v1.StepRequest\"\x8e\x01\n\rStepsResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.tandem.v1.StepResponseH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.StepErrorH\x00\x12\x11\n\x07not_run\x18\x04 \x01(\x08H\x00\x42\t\n\x07outcome\":\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\x94\x02\n\x06Worker\x12\x43\n\x08\x44\x65scribe\x12\x1a.tandem.v1.DescribeRequest\x1a\x1b.tandem.v1.DescribeResponse\x12\x37\n\x04Step\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse\x12>\n\x05Steps\x12\x17.tandem.v1.StepsRequest\x1a\x18.tandem.v1.StepsResponse(\x01\x30\x01\x12L\n\x0b\x41\x63knowledge\x12\x1d.tandem.v1.AcknowledgeRequest\x1a\x1e.tandem.v1.AcknowledgeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\x1a\x16tandem/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x1a\n\x12segment_generation\x18\t \x01(\x04\x12\x14\n\x0clast_step_id\x18\n \x01(\x04\x12\x1c\n\x14last_step_generation\x18\x0b \x01(\x04\"l\n\x12\x41\x63knowledgeRequest\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x1a\n\x12segment_generation\x18\x02 \x01(\x04\x12$\n\x05steps\x18\x03 \x03(\x0b\x32\x15.tandem.v1.UnseenStep\"C\n\nUnseenStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.tandem.v1.ShmAddress\":\n\x13\x41\x63knowledgeResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\"T\n\x0c\x46\x65\x61tureField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x13\n\x0bkeep_on_cpu\x18\x03 \x01(\x08\"6\n\x0b\x46\x65\x61tureItem\x12\'\n\x06\x66ields\x18\x01 \x03(\x0b\x32\x17.tandem.v1.FeatureField\"e\n\nShmAddress\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x14\n\x0cmonotonic_id\x18\x03 \x01(\x04\x12\x0c\n\x04refs\x18\x04 \x01(\r\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xa5\x01\n\x07\x46\x65\x61ture\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\r\x12&\n\x04item\x18\x05 \x01(\x0b\x32\x16.tandem.v1.FeatureItemH\x00\x12$\n\x03shm\x18\x06 \x01(\x0b\x32\x15.tandem.v1.ShmAddressH\x00\x42\x06\n\x04\x64\x61ta\"\xd1\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12$\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x12.tandem.v1.Feature\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\"W\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\"(\n\rEncoderInputs\x12\x17\n\x0f\x66\x65\x61ture_indices\x18\x01 \x03(\r\"\xa7\x06\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x1a\n\x12segment_generation\x18\x03 \x01(\x04\x12+\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x15.tandem.v1.NewRequest\x12\x31\n\x0f\x63\x61\x63hed_requests\x18\x05 \x03(\x0b\x32\x18.tandem.v1.CachedRequest\x12L\n\x14num_scheduled_tokens\x18\x06 \x03(\x0b\x32..tandem.v1.StepRequest.NumScheduledTokensEntry\x12T\n\x18scheduled_encoder_inputs\x18\x07 \x03(\x0b\x32\x32.tandem.v1.StepRequest.ScheduledEncoderInputsEntry\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x08 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\t \x03(\t\x12?\n\rtrace_context\x18\n \x03(\x0b\x32(.tandem.v1.StepRequest.TraceContextEntry\x12;\n\x0btoken_masks\x18\x0b \x03(\x0b\x32&.tandem.v1.StepRequest.TokenMasksEntry\x12\x19\n\x11\x64\x65\x66\x65rred_mask_ids\x18\x0c \x03(\t\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1aW\n\x1bScheduledEncoderInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tandem.v1.EncoderInputs:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fTokenMasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x8a\x01\n\tStepMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x39\n\x0btoken_masks\x18\x02 \x03(\x0b\x32$.tandem.v1.StepMasks.TokenMasksEntry\x1a\x31\n\x0fTokenMasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"P\n\rSampledTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xdf\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x07sampled\x18\x02 \x03(\x0b\x32$.tandem.v1.StepResponse.SampledEntry\x12\x14\n\x0cshm_resolved\x18\x03 \x01(\r\x12\x11\n\tshm_acked\x18\x04 \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x05 \x01(\r\x1aH\n\x0cSampledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.tandem.v1.SampledTokens:\x02\x38\x01\"Y\n\x0cStepsRequest\x12$\n\x04step\x18\x01 \x01(\x0b\x32\x16.tandem.v1.StepRequest\x12#\n\x05masks\x18\x02 \x01(\x0b\x32\x14.tandem.v1.StepMasks\"\x8e\x01\n\rStepsResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.tandem.v1.StepResponseH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.StepErrorH\x00\x12\x11\n\x07not_run\x18\x04 \x01(\x08H\x00\x42\t\n\x07outcome\":\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\x94\x02\n\x06Worker\x12\x43\n\x08\x44\x65scribe\x12\x1a.tandem.v1.DescribeRequest\x1a\x1b.tandem.v1.DescribeResponse\x12\x37\n\x04Step\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse\x12>\n\x05Steps\x12\x17.tandem.v1.StepsRequest\x1a\x18.tandem.v1.StepsResponse(\x01\x30\x01\x12L\n\x0b\x41\x63knowledge\x12\x1d.tandem.v1.AcknowledgeRequest\x1a\x1e.tandem.v1.AcknowledgeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST_SCHEDULEDENCODERINPUTSENTRY']._serialized_options = b'8\001'
   _globals['_STEPREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_STEPREQUEST_TOKENMASKSENTRY']._loaded_options = None
+  _globals['_STEPREQUEST_TOKENMASKSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPMASKS_TOKENMASKSENTRY']._loaded_options = None
+  _globals['_STEPMASKS_TOKENMASKSENTRY']._serialized_options = b'8\001'
   _globals['_STEPRESPONSE_SAMPLEDENTRY']._loaded_options = None
   _globals['_STEPRESPONSE_SAMPLEDENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBEREQUEST']._serialized_start=87
@@ -66,27 +70,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERINPUTS']._serialized_start=1310
   _globals['_ENCODERINPUTS']._serialized_end=1350
   _globals['_STEPREQUEST']._serialized_start=1353
-  _globals['_STEPREQUEST']._serialized_end=2021
-  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1822
-  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1879
-  _globals['_STEPREQUEST_SCHEDULEDENCODERINPUTSENTRY']._serialized_start=1881
-  _globals['_STEPREQUEST_SCHEDULEDENCODERINPUTSENTRY']._serialized_end=1968
-  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=1970
-  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=2021
-  _globals['_SAMPLEDTOKENS']._serialized_start=2023
-  _globals['_SAMPLEDTOKENS']._serialized_end=2103
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=2105
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=2184
-  _globals['_STEPRESPONSE']._serialized_start=2187
-  _globals['_STEPRESPONSE']._serialized_end=2410
-  _globals['_STEPRESPONSE_SAMPLEDENTRY']._serialized_start=2338
-  _globals['_STEPRESPONSE_SAMPLEDENTRY']._serialized_end=2410
-  _globals['_STEPSREQUEST']._serialized_start=2412
-  _globals['_STEPSREQUEST']._serialized_end=2464
-  _globals['_STEPSRESPONSE']._serialized_start=2467
-  _globals['_STEPSRESPONSE']._serialized_end=2609
-  _globals['_STEPERROR']._serialized_start=2611
-  _globals['_STEPERROR']._serialized_end=2669
-  _globals['_WORKER']._serialized_start=2672
-  _globals['_WORKER']._serialized_end=2948
+  _globals['_STEPREQUEST']._serialized_end=2160
+  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1910
+  _globals['_STEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1967
+  _globals['_STEPREQUEST_SCHEDULEDENCODERINPUTSENTRY']._serialized_start=1969
+  _globals['_STEPREQUEST_SCHEDULEDENCODERINPUTSENTRY']._serialized_end=2056
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=2058
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=2109
+  _globals['_STEPREQUEST_TOKENMASKSENTRY']._serialized_start=2111
+  _globals['_STEPREQUEST_TOKENMASKSENTRY']._serialized_end=2160
+  _globals['_STEPMASKS']._serialized_start=2163
+  _globals['_STEPMASKS']._serialized_end=2301
+  _globals['_STEPMASKS_TOKENMASKSENTRY']._serialized_start=2111
+  _globals['_STEPMASKS_TOKENMASKSENTRY']._serialized_end=2160
+  _globals['_SAMPLEDTOKENS']._serialized_start=2303
+  _globals['_SAMPLEDTOKENS']._serialized_end=2383
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=2385
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=2464
+  _globals['_STEPRESPONSE']._serialized_start=2467
+  _globals['_STEPRESPONSE']._serialized_end=2690
+  _globals['_STEPRESPONSE_SAMPLEDENTRY']._serialized_start=2618
+  _globals['_STEPRESPONSE_SAMPLEDENTRY']._serialized_end=2690
+  _globals['_STEPSREQUEST']._serialized_start=2692
+  _globals['_STEPSREQUEST']._serialized_end=2781
+  _globals['_STEPSRESPONSE']._serialized_start=2784
+  _globals['_STEPSRESPONSE']._serialized_end=2926
+  _globals['_STEPERROR']._serialized_start=2928
+  _globals['_STEPERROR']._serialized_end=2986
+  _globals['_WORKER']._serialized_start=2989
+  _globals['_WORKER']._serialized_end=3265
 # @@protoc_insertion_point(module_scope)

@@ -145,7 +145,7 @@ class EncoderInputs(_message.Message):
     def __init__(self, feature_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "segment_name", "segment_generation", "new_requests", "cached_requests", "num_scheduled_tokens", "scheduled_encoder_inputs", "free_encoder_mm_hashes", "finished_request_ids", "trace_context")
+    __slots__ = ("step_id", "segment_name", "segment_generation", "new_requests", "cached_requests", "num_scheduled_tokens", "scheduled_encoder_inputs", "free_encoder_mm_hashes", "finished_request_ids", "trace_context", "token_masks", "deferred_mask_ids")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,13 @@ class StepRequest(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TokenMasksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +184,8 @@ class StepRequest(_message.Message):
     FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_MASK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     segment_name: str
     segment_generation: int
@@ -187,7 +196,24 @@ class StepRequest(_message.Message):
     free_encoder_mm_hashes: _containers.RepeatedScalarFieldContainer[str]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_generation: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[str, EncoderInputs]] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    token_masks: _containers.ScalarMap[str, bytes]
+    deferred_mask_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_generation: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., scheduled_encoder_inputs: _Optional[_Mapping[str, EncoderInputs]] = ..., free_encoder_mm_hashes: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., token_masks: _Optional[_Mapping[str, bytes]] = ..., deferred_mask_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepMasks(_message.Message):
+    __slots__ = ("step_id", "token_masks")
+    class TokenMasksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    token_masks: _containers.ScalarMap[str, bytes]
+    def __init__(self, step_id: _Optional[int] = ..., token_masks: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class SampledTokens(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -229,10 +255,12 @@ class StepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Mapping[str, SampledTokens]] = ..., shm_resolved: _Optional[int] = ..., shm_acked: _Optional[int] = ..., encoder_runs: _Optional[int] = ...) -> None: ...
 
 class StepsRequest(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "masks")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     step: StepRequest
-    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+    masks: StepMasks
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ..., masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
 
 class StepsResponse(_message.Message):
     __slots__ = ("step_id", "done", "error", "not_run")

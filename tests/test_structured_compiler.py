@@ -1,0 +1,113 @@
+"""The constraint compiler's bounds (tandem/structured.py), over the real llguidance backend,
+and the workers' unpacking of token masks (worker_svc/sampler.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+from tandem.errors import BadConstraint
+from tandem.structured import Constraint, ConstraintCompiler, Grammar, GuidanceBackend
+from tandem.text import ByteTokenizer
+from tandem.text.byte_tokenizer import EOS_ID, VOCAB_SIZE
+from worker_svc.sampler import unpack_token_masks
+
+
+class CountingBackend:
+    """The real backend, counting its compiles; ``gate`` (when set) holds each compile."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.inner = GuidanceBackend(ByteTokenizer())
+        self.compiles: list[Constraint] = []
+        self.gate = gate
+
+    def compile(self, constraint: Constraint) -> Grammar:
+        self.compiles.append(constraint)
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self.inner.compile(constraint)
+
+
+def _allowed(mask: bytes) -> set[int]:
+    bits = unpack_token_masks([mask], VOCAB_SIZE, torch.device("cpu"))[0]
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
+def test_same_spec_compiles_once_and_errors_are_cached() -> None:
+    async def main() -> None:
+        backend = CountingBackend()
+        compiler = ConstraintCompiler(backend)
+        spec = Constraint("regex", "[ab]{2}")
+        matchers = await asyncio.gather(*(compiler.matcher(spec) for _ in range(8)))
+        assert len(backend.compiles) == 1, "concurrent requests share one compile"
+        assert all(_allowed(m.allowed_mask()) == {ord("a"), ord("b")} for m in matchers)
+        assert matchers[0].consume(ord("a")) and matchers[0].consume(ord("b"))
+        assert matchers[0].is_stopped() and _allowed(matchers[1].allowed_mask()) == {
+            ord("a"), ord("b")}, "each request advances its own matcher"
+        bad = Constraint("json_schema", json.dumps({"type": "nonsense"}))
+        for _ in range(2):
+            with pytest.raises(BadConstraint, match="nonsense") as refused:
+                await compiler.matcher(bad)
+            assert refused.value.param == "response_format"
+        assert len(backend.compiles) == 2, "a failed compile is cached too"
+        await compiler.matcher(spec, salt="tenant-b")
+        assert len(backend.compiles) == 3, "tenants (cache salts) do not share compiles"
+        await compiler.matcher(Constraint("json_schema", "true"))  # JSON Schema's "anything"
+        with pytest.raises(BadConstraint, match="allows no output"):
+            await compiler.matcher(Constraint("json_schema", "false"))
+        compiler.close()
+
+    asyncio.run(main())
+
+
+def test_size_bound_timeout_and_eviction() -> None:
+    async def main() -> None:
+        gate = threading.Event()
+        backend = CountingBackend(gate)
+        compiler = ConstraintCompiler(backend, max_spec_chars=100, timeout_s=0.2, cache_size=2)
+        with pytest.raises(BadConstraint, match="the limit is 100"):
+            await compiler.matcher(Constraint("regex", "a" * 101))
+        assert backend.compiles == []
+        slow = Constraint("regex", "x+")
+        with pytest.raises(BadConstraint, match=r"did not compile within 0\.2 s"):
+            await compiler.matcher(slow)
+        gate.set()
+        matcher = await compiler.matcher(slow)  # the same compile, finished meanwhile
+        assert len(backend.compiles) == 1 and _allowed(matcher.allowed_mask()) == {ord("x")}
+        for spec in ("y", "z"):
+            await compiler.matcher(Constraint("regex", spec))
+        await compiler.matcher(slow)
+        assert len(backend.compiles) == 4, "the least recently used spec was evicted"
+        compiler.close()
+
+    asyncio.run(main())
+
+
+def test_json_allows_bounded_whitespace_and_eos_only_when_complete() -> None:
+    async def main() -> None:
+        compiler = ConstraintCompiler(GuidanceBackend(ByteTokenizer()))
+        m = await compiler.matcher(Constraint("json_object", ""))
+        assert m.consume(ord("{"))
+        for _ in range(2):
+            assert ord(" ") in _allowed(m.allowed_mask()) and m.consume(ord(" "))
+        assert ord(" ") not in _allowed(m.allowed_mask()), "whitespace is bounded"
+        assert EOS_ID not in _allowed(m.allowed_mask())
+        assert m.consume(ord("}")) and EOS_ID in _allowed(m.allowed_mask())
+        assert not m.consume(ord("x")) and m.error()
+        compiler.close()
+
+    asyncio.run(main())
+
+
+def test_unpacked_masks_refuse_tokens_past_the_bitmap() -> None:
+    mask = (1 | 1 << 31).to_bytes(4, "little") + (1 << 2).to_bytes(4, "little")  # 0, 31, 34
+    rows = unpack_token_masks([mask, mask[:4]], 70, torch.device("cpu"))
+    assert rows.shape == (2, 70)
+    assert torch.nonzero(rows[0]).flatten().tolist() == [0, 31, 34]
+    assert torch.nonzero(rows[1]).flatten().tolist() == [0, 31]
+    assert unpack_token_masks([mask], 33, torch.device("cpu"))[0].tolist() == (
+        [True] + [False] * 30 + [True, False])
