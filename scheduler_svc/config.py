@@ -31,6 +31,9 @@ class SchedulerConfig:
     # The model's names in the APIs (--served-model-name): the first is reported, any is
     # accepted; empty = ``model`` itself.
     served_model_names: tuple[str, ...] = ()
+    # How the OpenAI API reads the model's tool calls (--tool-call-parser): hermes,
+    # llama3_json, none, or auto (told by the chat template)
+    tool_call_parser: str = "auto"
     listen: str = "localhost:50051"
     shm_dir: str = ""
     mm_cache: str = "shm"  # shm | lru | none

@@ -43,6 +43,7 @@ from scheduler_svc.step_message import build_step_request
 from scheduler_svc.worker_client import SentStep, StepFailed, WorkerPool
 from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
+from tandem.openai_api.tool_calls import detect_parser
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.reuse_curve import ReuseCurve, capacities_around
 from tandem.shm import ShmError
@@ -146,6 +147,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         # Asked once: model_info runs on every HTTP request, and asking renders a template.
         self._has_chat_template = _has_chat_template(self.tokenizer)
+        self._tool_call_parser = _tool_call_parser(config.tool_call_parser, self.tokenizer)
         self._images = (ImageProcessorConfig.from_pretrained_dir(config.model)
                         if isinstance(self.tokenizer, HFTokenizer)
                         and self.tokenizer.image is not None else None)
@@ -665,6 +667,7 @@ class Engine:
             default_max_tokens=lim.default_max_tokens, vocab_size=m.vocab_size,
             eos_token_ids=sorted(self.tokenizer.special.eos_ids),
             has_chat_template=self._has_chat_template,
+            tool_call_parser=self._tool_call_parser,
             mm_cache_type=self.cache.kind, prefix_caching=c.enable_prefix_caching)
         if m.image_token_id is not None:
             images = self.inputs.images
@@ -717,6 +720,15 @@ def _check_tokenizer(tokenizer: Tokenizer, model: ModelInfo, model_dir: str) -> 
         raise InvalidInput(
             f"{model_dir}: the tokenizer's image placeholder id is {pad} but config.json's "
             f"'image_token_id' is {model.image_token_id}", "BAD_MODEL")
+
+
+def _tool_call_parser(setting: str, tokenizer: Tokenizer) -> str:
+    """The tool-call format the OpenAI API reads ("" = none): the setting, or with
+    ``auto`` the one the chat template teaches (:func:`detect_parser`)."""
+    if setting != "auto":
+        return "" if setting == "none" else setting
+    template = tokenizer.chat_template
+    return (detect_parser(template.source) or "") if template is not None else ""
 
 
 def _has_chat_template(tokenizer: Tokenizer) -> bool:

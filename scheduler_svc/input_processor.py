@@ -17,10 +17,11 @@ request brings eight), which would stop every stream of the cell meanwhile.
 from __future__ import annotations
 
 import io
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from PIL import Image
@@ -54,6 +55,7 @@ from tandem.text import (
     ImagePart,
     TextPart,
     Tokenizer,
+    ToolCall,
     encode_chat,
     expand_images,
 )
@@ -172,13 +174,17 @@ class InputProcessor:
                 raise InvalidInput("with messages, images go in the messages' content parts, "
                                    "not in images", "IMAGES_OUTSIDE_MESSAGES")
             messages, media = _chat(msg.messages)
+            tools = _tools(msg.tools_json)
         elif msg.prompt or msg.prompt_token_ids:
             media = list(msg.images)
         else:
             raise InvalidInput("the request has neither a prompt nor messages", "EMPTY_PROMPT")
+        if msg.tools_json and not msg.messages:
+            raise InvalidInput("tools_json needs messages (a chat template renders them)",
+                               "TOOLS_WITHOUT_MESSAGES")
         check_image_count(len(media), self.limits.max_images)
         if msg.messages:
-            return encode_chat(self.tokenizer, messages), media
+            return encode_chat(self.tokenizer, messages, tools), media
         if msg.prompt_token_ids:
             bad = sorted({t for t in msg.prompt_token_ids if t >= self.vocab_size})
             if bad:
@@ -231,8 +237,41 @@ def _chat(messages: Sequence[generate_pb2.ChatMessage],
                 parts.append(ImagePart())
             else:
                 parts.append(TextPart(part.text))
-        turns.append(ChatMessage(m.role, tuple(parts)))
+        calls = tuple(ToolCall(c.id, c.name, _arguments(c.arguments, i, j))
+                      for j, c in enumerate(m.tool_calls))
+        turns.append(ChatMessage(m.role, tuple(parts), calls, m.tool_call_id))
     return turns, media
+
+
+def _arguments(text: str, message: int, call: int) -> dict[str, Any]:
+    """A tool call's arguments as the object its JSON encodes: what templates read (as
+    vLLM passes them); empty text is no arguments."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise InvalidInput(f"message {message} tool call {call}: arguments are not valid "
+                           f"JSON ({exc})", "BAD_MESSAGE") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"message {message} tool call {call}: arguments must be a JSON "
+                           "object", "BAD_MESSAGE")
+    return value
+
+
+def _tools(text: str) -> list[dict[str, Any]] | None:
+    """``tools_json`` as the chat template's ``tools``: a list of objects, each with a
+    ``function`` holding a ``name`` (None when empty)."""
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except ValueError as exc:
+        raise InvalidInput(f"tools_json is not valid JSON ({exc})", "BAD_TOOLS") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise InvalidInput('tools_json must be a JSON array of {"type": "function", '
+                           '"function": {"name": ..., "parameters": {...}}}', "BAD_TOOLS")
+    return tools or None
 
 
 def _header_size(data: bytes, cfg: ImageProcessorConfig) -> tuple[int, int]:

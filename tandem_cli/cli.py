@@ -136,6 +136,10 @@ def _add_tracing_flags(p: argparse.ArgumentParser) -> None:
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50051"))
     _add_served_name_flag(p)
+    p.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"),
+                   default=_env("TOOL_CALL_PARSER", "auto"),
+                   help="how the OpenAI API reads tool calls in the model's output (auto: "
+                        "from the chat template; none: requests with tools are refused)")
     p.add_argument("--mm-cache", choices=("shm", "lru", "none"), default=_env("MM_CACHE", "shm"))
     p.add_argument("--mm-cache-size", type=size_arg, default=_env("MM_CACHE_SIZE", "256Mi"))
     p.add_argument("--mm-cache-max-object-size", type=size_arg,
@@ -282,7 +286,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
         async_scheduling=args.async_scheduling, limits=limits, http=_http_config(args),
-        served_model_names=tuple(args.served_model_name))
+        served_model_names=tuple(args.served_model_name),
+        tool_call_parser=args.tool_call_parser)
 
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, metrics_port: int,

@@ -118,8 +118,13 @@ def test_completion_request() -> None:
 
 @pytest.mark.parametrize("body", [
     {"model": "tiny", "messages": []},
-    {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
-    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []},
+    {"model": "tiny", "messages": [{"role": "function", "content": "x"}]},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "functions": []},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "has space"}}]},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "retrieval"}]},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "any"},
     {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
     {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": 2**64},
     {"messages": [{"role": "user", "content": "x"}]},

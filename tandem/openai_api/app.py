@@ -78,7 +78,8 @@ def create_app(backend: Backend, max_body_bytes: int,
             remote = convert.remote_image_urls(body)
             fetched = ({} if fetcher is None or not remote else
                        await fetcher.fetch_all(remote, "messages", limits.max_image_bytes))
-            return convert.chat_request(body, request_id, fetched, limits.max_image_bytes)
+            return convert.chat_request(body, request_id, fetched, limits.max_image_bytes,
+                                        info.tool_call_parser)
 
         return await _complete(request, backend, body, "chatcmpl", convert_request)
 
@@ -124,9 +125,11 @@ async def _complete(request: Request, backend: Backend,
         return _error_response(TandemError("internal error; see the server log"))
     except Exception as exc:
         return _error_response(exc)
+    parser = (convert.tool_parser(body, info.tool_call_parser)
+              if isinstance(body, schema.ChatCompletionRequest) else None)
     if not body.stream:
         meta = convert.ResponseMeta.new(prefix, msgs[0].request_id, info.model_id)
-        answer: BaseModel = (convert.chat_completion(msgs, meta, with_logprobs) if chat
+        answer: BaseModel = (convert.chat_completion(msgs, meta, with_logprobs, parser) if chat
                              else convert.completion(msgs, meta, with_logprobs))
         return JSONResponse(schema.dump(answer),
                             headers={REQUEST_ID_HEADER: msgs[0].request_id})
@@ -134,7 +137,7 @@ async def _complete(request: Request, backend: Backend,
     usage = body.stream_options is not None and body.stream_options.include_usage
     responses = _prepend(first, stream)
     chunks: AsyncIterator[BaseModel] = (
-        convert.chat_chunks(responses, meta, with_logprobs, usage) if chat
+        convert.chat_chunks(responses, meta, with_logprobs, usage, parser) if chat
         else convert.completion_chunks(responses, meta, with_logprobs, usage))
     return StreamingResponse(_events(chunks, stream), media_type="text/event-stream",
                              headers={REQUEST_ID_HEADER: first.request_id,

@@ -6,7 +6,9 @@ the values exactly as it does for gRPC, so both APIs accept and refuse the same 
 What the proto cannot express is refused here, with the field named: ``n`` other than 1,
 several prompts in one request, images given as remote URLs that were not fetched,
 ``echo`` and ``suffix``. ``response_format`` and vLLM's ``structured_outputs`` become the
-proto's constraint.
+proto's constraint. Tools go to the chat template (``tools_json``); a forced call
+(``tool_choice`` ``required`` or a named function) is a grammar constraint, and the output's
+calls are read by the cell's tool-call parser (:mod:`tandem.openai_api.tool_calls`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from dataclasses import dataclass
 
 from tandem.errors import BadConstraint, InvalidInput, NotFound, RequestTooLarge
 from tandem.openai_api import schema
+from tandem.openai_api.tool_calls import (
+    PARSERS,
+    CallDelta,
+    ParserKind,
+    ToolCallParser,
+    call_grammar,
+    parse_whole,
+)
 from tandem.request_limits import base64_length
 from tandem.v1 import generate_pb2
 
@@ -62,13 +72,15 @@ def check_model(model: str, info: generate_pb2.GetModelInfoResponse) -> None:
 
 def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                  fetched: Mapping[str, tuple[bytes, str]] | None = None,
-                 max_image_bytes: int | None = None) -> generate_pb2.GenerateRequest:
+                 max_image_bytes: int | None = None,
+                 tool_call_parser: str = "") -> generate_pb2.GenerateRequest:
     """A chat completion request as a GenerateRequest in chat form.
 
     ``fetched``: remote image URL -> (bytes, MIME type) for the URLs the server fetched
     (only when remote images are enabled); any other non-``data:`` URL is refused.
     ``max_image_bytes``: the cell's image limit; a ``data:`` URI too long to fit it is
     refused before it is decoded (None: no check here, the cell's alone).
+    ``tool_call_parser``: the cell's (``GetModelInfoResponse.tool_call_parser``).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidInput("top_logprobs needs logprobs: true", "BAD_SAMPLING", "top_logprobs")
@@ -78,7 +90,11 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
                            "BAD_SAMPLING", "max_completion_tokens")
     msg = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=req.cache_salt or "")
     for i, message in enumerate(req.messages):
-        out = msg.messages.add(role="system" if message.role == "developer" else message.role)
+        out = msg.messages.add(role="system" if message.role == "developer" else message.role,
+                               tool_call_id=message.tool_call_id or "")
+        for call in message.tool_calls or ():
+            out.tool_calls.add(id=call.id, name=call.function.name,
+                               arguments=call.function.arguments)
         content = message.content
         if isinstance(content, str):
             out.content.add(text=content)
@@ -93,7 +109,63 @@ def chat_request(req: schema.ChatCompletionRequest, request_id: str = "",
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)
     msg.sampling.CopyFrom(sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0))
+    _tools(req, msg, tool_call_parser)
     return msg
+
+
+def tool_parser(req: schema.ChatCompletionRequest, cell_parser: str) -> ParserKind | None:
+    """The parser that reads this request's output: the cell's, when the request offers
+    tools and allows calling them (``tool_choice`` other than ``none``)."""
+    if not req.tools or req.tool_choice == "none" or cell_parser not in PARSERS:
+        return None
+    return cell_parser  # type: ignore[return-value]  # one of PARSERS
+
+
+def _tools(req: schema.ChatCompletionRequest, msg: generate_pb2.GenerateRequest,
+           cell_parser: str) -> None:
+    """``tools`` into the template's input and a forced ``tool_choice`` into a grammar.
+
+    ``tool_choice: none`` leaves the tools out of the prompt as well (vLLM renders them
+    unless told otherwise): a model shown tools tends to call them, and its calls would
+    then be returned as text."""
+    choice, tools = req.tool_choice, req.tools or []
+    forced = choice == "required" or isinstance(choice, schema.NamedToolChoice)
+    if forced and not tools:
+        raise InvalidInput(f"tool_choice {_choice_name(choice)} needs tools",
+                           "BAD_TOOLS", "tool_choice")
+    names = [t.function.name for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise InvalidInput(f"tools define the function {duplicate!r} more than once",
+                           "BAD_TOOLS", "tools")
+    if isinstance(choice, schema.NamedToolChoice) and choice.function.name not in names:
+        raise InvalidInput(f"tool_choice names the function {choice.function.name!r}, which "
+                           f"is not in tools ({', '.join(names)})", "BAD_TOOLS", "tool_choice")
+    parser = tool_parser(req, cell_parser)
+    if not tools or choice == "none":
+        return
+    if parser is None:
+        raise InvalidInput("this model has no tool-call format the server can read (its chat "
+                           "template shows none); the server's --tool-call-parser can name "
+                           "one", "TOOLS_UNSUPPORTED", "tools")
+    msg.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in tools])
+    if not forced:
+        return
+    if msg.sampling.WhichOneof("constraint") is not None:
+        raise InvalidInput(f"tool_choice {_choice_name(choice)} forces a tool call, which "
+                           "response_format or structured_outputs would contradict; set one",
+                           "BAD_TOOLS", "tool_choice")
+    chosen = [t for t in tools if not isinstance(choice, schema.NamedToolChoice)
+              or t.function.name == choice.function.name]
+    msg.sampling.grammar = call_grammar(
+        parser, [t.model_dump(exclude_none=True) for t in chosen],
+        several=choice == "required" and req.parallel_tool_calls is not False)
+
+
+def _choice_name(choice: object) -> str:
+    if isinstance(choice, schema.NamedToolChoice):
+        return f"{{'function': {{'name': {choice.function.name!r}}}}}"
+    return repr(choice)
 
 
 def completion_request(req: schema.CompletionRequest,
@@ -323,17 +395,38 @@ def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
 
 
 def chat_completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
-                    with_logprobs: bool) -> schema.ChatCompletion:
-    """A whole (non-streamed) chat completion from the request's response messages."""
+                    with_logprobs: bool, parser: ParserKind | None = None,
+                    ) -> schema.ChatCompletion:
+    """A whole (non-streamed) chat completion from the request's response messages;
+    ``parser`` reads tool calls out of the text (None: the text is the content)."""
     last = msgs[-1]
+    content: str | None = "".join(m.text for m in msgs)
+    calls = []
+    if parser is not None:
+        content, calls = parse_whole(parser, content)
     return schema.ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[schema.ChatChoice(
-            message=schema.ChatMessageOut(content="".join(m.text for m in msgs)),
+            message=schema.ChatMessageOut(content=content, tool_calls=[
+                schema.ToolCallOut(id=c.id, function=schema.FunctionCallOut(
+                    name=c.name, arguments=c.arguments)) for c in calls] or None),
             logprobs=(chat_logprobs(p for m in msgs for p in m.logprobs)
                       if with_logprobs else None),
-            finish_reason=finish_reason(last) or "abort")],
+            finish_reason=_chat_finish(last, bool(calls)))],
         usage=usage(last.usage))
+
+
+def _chat_finish(last: generate_pb2.GenerateResponse, called: bool) -> str:
+    """OpenAI's ``tool_calls`` for a message that ends in calls (not one cut short)."""
+    reason = finish_reason(last) or "abort"
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _call_delta(d: CallDelta) -> dict[str, object]:
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {"index": d.index, "id": d.id, "type": "function",
+            "function": {"name": d.name, "arguments": d.arguments}}
 
 
 def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
@@ -352,24 +445,44 @@ def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta
 
 async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: ResponseMeta,
                       with_logprobs: bool, include_usage: bool,
+                      parser: ParserKind | None = None,
                       ) -> AsyncIterator[schema.ChatCompletionChunk]:
     """The streamed form: a first chunk with the role, one per message that carries text
-    or a finish reason, then (``include_usage``) one with no choices and the usage."""
+    or a finish reason, then (``include_usage``) one with no choices and the usage.
+    With a tool-call ``parser``, a message's text becomes content and tool-call deltas
+    (text that may still begin a call is held back until it is known)."""
+    calls = None if parser is None else ToolCallParser(parser)
+
     def chunk(delta: schema.Delta, msg: generate_pb2.GenerateResponse | None = None,
               ) -> schema.ChatCompletionChunk:
         choice = schema.ChatChunkChoice(delta=delta)
         if msg is not None:
-            choice.finish_reason = finish_reason(msg)
+            choice.finish_reason = (finish_reason(msg) if calls is None or not msg.finish_reason
+                                    else _chat_finish(msg, bool(calls.calls)))
             if with_logprobs:
                 choice.logprobs = chat_logprobs(msg.logprobs)
         return schema.ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
                                           choices=[choice])
 
+    def delta(msg: generate_pb2.GenerateResponse) -> schema.Delta:
+        if calls is None:
+            return schema.Delta(content=msg.text)
+        parsed = calls.feed(msg.text)
+        if msg.finish_reason:
+            parsed.content += calls.finish().content
+        if not parsed.calls:
+            return schema.Delta(content=parsed.content)
+        return schema.Delta(content=parsed.content or None,
+                            tool_calls=[_call_delta(d) for d in parsed.calls])
+
     yield chunk(schema.Delta(role="assistant", content=""))
     last = None
     async for last in msgs:
-        if last.text or last.logprobs or last.finish_reason:
-            yield chunk(schema.Delta(content=last.text), last)
+        if not (last.text or last.logprobs or last.finish_reason):
+            continue
+        d = delta(last)
+        if d.content or d.tool_calls or last.logprobs or last.finish_reason:
+            yield chunk(d, last)
     if include_usage and last is not None:
         yield schema.ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
                                          choices=[], usage=usage(last.usage))

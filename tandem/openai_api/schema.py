@@ -1,7 +1,7 @@
 """The OpenAI HTTP API's request and response bodies, as pydantic models.
 
 Only what Tandem serves is declared. Requests forbid unknown fields, so a client asking for
-something Tandem does not do (``tools``, ``logit_bias``, ...) gets a 400 naming the
+something Tandem does not do (``logit_bias``, ``functions``, ...) gets a 400 naming the
 field rather than an answer that silently ignored it; the few fields every SDK sends and
 that change nothing here (``user``) are declared and ignored. A ``null`` field is the
 same as an absent one, as in OpenAI's API. Tandem's own extensions
@@ -112,14 +112,54 @@ class ImageContent(_Request):
 ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant turn made."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, unused
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered
+
+
+class FunctionDefinition(_Request):
+    # OpenAI's rule for function names
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted: a forced call always follows the schema
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: a forced call is one call
     max_completion_tokens: U32 | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: U32 | None = None
@@ -187,9 +227,21 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -222,6 +274,9 @@ class ChatCompletion(_Envelope[ChatChoice]):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's form: a call's first delta {"index", "id", "type", "function": {"name",
+    # "arguments": ""}}, later ones {"index", "function": {"arguments": fragment}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem.errors import InvalidInput
 from tandem.text.byte_tokenizer import ByteTokenizer
-from tandem.text.chat_template import ChatMessage, ContentPart, ImagePart, TextPart
+from tandem.text.chat_template import ChatMessage, ContentPart, ImagePart, TextPart, ToolCall
 from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
 from tandem.text.hf_tokenizer import CONFIG_FILE, TOKENIZER_FILE, HFTokenizer
 from tandem.text.model_files import BAD_MODEL
@@ -26,7 +26,7 @@ from tandem.text.tokenizer import (
 
 __all__ = [
     "ByteTokenizer", "ChatMessage", "ContentPart", "HFTokenizer", "ImagePart", "ImageTokens",
-    "IncrementalDecoder", "SpecialTokens", "StreamDecoder", "TextPart", "Tokenizer",
+    "IncrementalDecoder", "SpecialTokens", "StreamDecoder", "TextPart", "Tokenizer", "ToolCall",
     "encode_chat", "expand_images", "load_tokenizer",
 ]
 

@@ -9,7 +9,8 @@ so ``messages`` requests work on them too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tandem.text.chat_template import ChatMessage, ChatTemplate
 from tandem.text.detokenizer import IncrementalDecoder, StreamDecoder
@@ -79,6 +80,10 @@ class ByteTokenizer:
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, _NAMES.keys())
 
-    def render_chat(self, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages, add_generation_prompt)
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._template
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        return self._template.render(messages, add_generation_prompt, tools)

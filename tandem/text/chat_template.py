@@ -9,7 +9,8 @@ that renders its body (training templates mark assistant text with it); ``tojson
 plain ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``, with ``indent``,
 ``separators`` and ``sort_keys``); globals ``raise_exception(msg)`` and
 ``strftime_now(fmt)``; a ``namespace`` that refuses underscore names; and as variables
-``messages``, ``tools``/``documents`` (``None``), ``add_generation_prompt`` and the
+``messages``, ``tools`` (the request's, as OpenAI's ``tools`` list, else ``None``),
+``documents`` (``None``), ``add_generation_prompt`` and the
 tokenizer's named tokens (``bos_token``, ``eos_token``..., each ``*_token`` key of
 ``tokenizer_config.json``).
 
@@ -56,9 +57,22 @@ ContentPart = TextPart | ImagePart
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call of an earlier assistant turn; ``arguments`` is the object its JSON
+    text encodes (templates such as Qwen2.5's write ``arguments | tojson``, so the text
+    itself would come out quoted)."""
+
+    id: str
+    name: str
+    arguments: Any
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: tuple[ContentPart, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""  # a "tool" turn: the call it answers
 
 
 def template_data(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -68,7 +82,8 @@ def template_data(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     print ``message['content']`` as is); content with an image is a list of
     ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts, the form VLM
     templates iterate. Multimodal templates render a list of text parts as their
-    concatenation, so the two forms agree where both apply.
+    concatenation, so the two forms agree where both apply. Tool calls and a tool turn's
+    ``tool_call_id`` are added as OpenAI's messages carry them.
     """
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -78,7 +93,14 @@ def template_data(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         else:
             content = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
                        else {"type": "image"} for p in m.content]
-        out.append({"role": m.role, "content": content})
+        data: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            data["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in m.tool_calls]
+        if m.tool_call_id:
+            data["tool_call_id"] = m.tool_call_id
+        out.append(data)
     return out
 
 
@@ -87,6 +109,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, token_vars: Mapping[str, str], origin: str) -> None:
         self.origin = origin  # where the template came from, for error messages
+        self.source = source  # read to tell the model's tool-call format
         self._vars = dict(token_vars)
         try:
             self._template = _ENV.from_string(source)
@@ -94,13 +117,16 @@ class ChatTemplate:
             raise InvalidInput(f"{origin}: chat template does not parse: {exc.message} "
                                f"(template line {exc.lineno})", BAD_MODEL) from exc
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text; a conversation the template refuses is :class:`InvalidInput`."""
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text; a conversation the template refuses is :class:`InvalidInput`.
+        ``tools``: OpenAI's ``tools`` list as the client sent it (None: no tools)."""
         if not messages:
             raise InvalidInput("the conversation has no messages", BAD_CHAT)
         try:
             return self._template.render(
-                **self._vars, messages=template_data(messages), tools=None, documents=None,
+                **self._vars, messages=template_data(messages),
+                tools=list(tools) if tools else None, documents=None,
                 add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
             # raise_exception() messages are written by the template's authors for users.

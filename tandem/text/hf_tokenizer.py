@@ -102,12 +102,16 @@ class HFTokenizer:
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, self._special_ids)
 
-    def render_chat(self, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool = True) -> str:
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._template
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if self._template is None:
             raise InvalidInput(f"the model at {self._model_dir} has no chat template; send a "
                                "prompt instead of messages", "NO_CHAT_TEMPLATE")
-        return self._template.render(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt, tools)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> HFTokenizer:

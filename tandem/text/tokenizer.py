@@ -18,12 +18,12 @@ embedding::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.errors import InvalidInput
-from tandem.text.chat_template import ChatMessage
+from tandem.text.chat_template import ChatMessage, ChatTemplate
 from tandem.text.detokenizer import IncrementalDecoder
 
 
@@ -85,16 +85,23 @@ class Tokenizer(Protocol):
         """A fresh streaming decoder (special tokens skipped) for one request's output."""
         ...
 
-    def render_chat(self, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, from the model's chat template."""
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's chat template (None: it has none)."""
+        ...
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation, from the model's chat template; ``tools`` as
+        transformers' ``apply_chat_template`` takes them (OpenAI's ``tools`` list)."""
         ...
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage],
+                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """A conversation's prompt ids, ready for the assistant's turn."""
-    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True),
-                            add_special_tokens=False)
+    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True,
+                                                  tools=tools), add_special_tokens=False)
 
 
 def expand_images(token_ids: Sequence[int], image: ImageTokens | None,

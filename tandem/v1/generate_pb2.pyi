@@ -73,12 +73,26 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[MediaItem, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: _containers.RepeatedCompositeFieldContainer[ContentPart]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stop", "include_stop_str_in_output", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "json_schema", "regex", "grammar", "json_object", "choice")
@@ -133,7 +147,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "cache_salt", "messages", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "cache_salt", "messages", "prompt_token_ids", "tools_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +155,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[MediaItem]
@@ -148,7 +163,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs", "images")
@@ -293,7 +309,7 @@ class ImageLimits(_message.Message):
     def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_input_pixels: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_type", "max_context_length", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "vocab_size", "eos_token_ids", "has_chat_template", "image_limits", "mm_cache_type", "prefix_caching", "served_model_names")
+    __slots__ = ("model_id", "model_type", "max_context_length", "max_prompt_tokens", "max_output_tokens", "default_max_tokens", "vocab_size", "eos_token_ids", "has_chat_template", "image_limits", "mm_cache_type", "prefix_caching", "served_model_names", "tool_call_parser")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +323,7 @@ class GetModelInfoResponse(_message.Message):
     MM_CACHE_TYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: str
     max_context_length: int
@@ -320,4 +337,5 @@ class GetModelInfoResponse(_message.Message):
     mm_cache_type: str
     prefix_caching: bool
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., image_limits: _Optional[_Union[ImageLimits, _Mapping]] = ..., mm_cache_type: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    tool_call_parser: str
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., image_limits: _Optional[_Union[ImageLimits, _Mapping]] = ..., mm_cache_type: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., served_model_names: _Optional[_Iterable[str]] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
