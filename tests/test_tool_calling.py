@@ -1,0 +1,231 @@
+"""Tool calling on ``/v1/chat/completions`` (issue 25, item 2).
+
+* The parsers on known outputs (hermes: Qwen2.5's ``<tool_call>`` JSON with text around it;
+  llama3_json), whole and streamed split at every position: the same content and calls.
+* Tools, assistant tool calls and tool results render as transformers renders them
+  (Qwen2.5-Instruct's template), and the parser is told from the template.
+* End to end with the real ``openai`` client against ``tandem serve --http-listen`` on a tiny
+  random Qwen2 model with Qwen2.5's tokenizer and template: ``required`` and a named
+  function yield parsed calls whose arguments satisfy the function's schema (the grammar
+  guarantees it, whatever the weights), streamed as OpenAI streams them, ``finish_reason``
+  ``tool_calls``; ``auto`` and ``none``; a conversation with calls and results; bad
+  requests are 400 with the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from hf_checkpoints import reference, save
+from text_checkpoints import qwen2_5_dir, reference_tokenizer
+
+from tandem.openai_api.tool_calls import ToolCallParser, detect_parser, parse_whole
+from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
+from tandem_testing.cells import free_port, running_cell
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 8},
+    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                  "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+          '"unit": "c", "n": [1, {"k": "}\\""}]}}\n</tool_call>\n<tool_call>\n'
+          '{"arguments": {}, "name": "get_time"}\n</tool_call>')
+KNOWN = [
+    ("hermes", HERMES, "Let me look.", [
+        ("get_weather", '{"city": "Paris", "unit": "c", "n": [1, {"k": "}\\""}]}'),
+        ("get_time", "{}")]),
+    ("hermes", "No call <tool but a < sign", "No call <tool but a < sign", []),
+    ("hermes", '<tool_call>\n{"no_name": 1}\n</tool_call>',
+     '<tool_call>\n{"no_name": 1}\n</tool_call>', []),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1',  # cut short
+     None, [("get_time", '{"zone": 1')]),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1.5e3, "y": true}}; '
+                    '{"name": "g", "parameters": {}}', None,
+     [("f", '{"x": 1.5e3, "y": true}'), ("g", "{}")]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": "a\\"b"}}', None,
+     [("f", '{"q": "a\\"b"}')]),
+    ("llama3_json", ' {"answer": 4}', ' {"answer": 4}', []),
+    ("llama3_json", 'Hello {"name": "f"}', 'Hello {"name": "f"}', []),
+]
+
+
+def _streamed(kind: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """Content, calls (name, arguments joined from the deltas) and ids, fed ``pieces``."""
+    parser = ToolCallParser(kind)  # type: ignore[arg-type]
+    content, calls, ids = "", {}, []
+    for piece in [*pieces, None]:
+        out = parser.feed(piece) if piece is not None else parser.finish()
+        content += out.content
+        for d in out.calls:
+            if d.id is not None:
+                assert d.index == len(calls) and d.name, "a call's first delta names it"
+                calls[d.index], _ = [d.name, ""], ids.append(d.id)
+            calls[d.index][1] += d.arguments
+    return content, [tuple(c) for c in calls.values()], ids  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("kind", "text", "content", "calls"), KNOWN)
+def test_parsers_read_known_outputs_whole_and_split_anywhere(
+        kind: str, text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    whole_content, whole_calls = parse_whole(kind, text)  # type: ignore[arg-type]
+    assert whole_content == content
+    assert [(c.name, c.arguments) for c in whole_calls] == calls
+    assert all(c.id.startswith("call_") for c in whole_calls)
+    for cut in range(len(text) + 1):
+        got = _streamed(kind, [text[:cut], text[cut:]])
+        assert (got[0] or None, got[1]) == (content, calls), cut
+    assert _streamed(kind, list(text))[:2] == ((content or ""), calls)
+
+
+def test_the_parser_is_told_from_the_template() -> None:
+    assert detect_parser((qwen2_5_dir() / "tokenizer_config.json").read_text()) == "hermes"
+    assert detect_parser("{{ '<|python_tag|>' }}{% if tools %}...{% endif %}") == "llama3_json"
+    assert detect_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def test_tools_and_tool_turns_render_as_transformers_renders_them() -> None:
+    directory = qwen2_5_dir()
+    ours = load_tokenizer(directory)
+    args = {"city": "Paris", "unit": "c"}
+    conversation = [
+        ChatMessage("user", (TextPart("Weather in Paris?"),)),
+        ChatMessage("assistant", (), (ToolCall("call_1", "get_weather", args),)),
+        ChatMessage("tool", (TextPart('{"temp": 21}'),), tool_call_id="call_1"),
+    ]
+    hf = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": args}}]},
+          {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    expected = reference_tokenizer(directory).apply_chat_template(
+        hf, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    rendered = ours.render_chat(conversation, tools=TOOLS)
+    assert rendered == expected
+    assert '"name": "get_time"' in rendered and "<tool_response>" in rendered
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``tandem serve`` over a tiny random Qwen2 with Qwen2.5's tokenizer and template."""
+    model_dir = save(reference("qwen2", vocab_size=151936),
+                     tmp_path_factory.mktemp("qwen2.5-tools") / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen2_5_dir() / name, model_dir / name)
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 151643, "eos_token_id": [151645, 151643]}))
+    port = free_port()
+    with running_cell(tmp_path_factory.mktemp("cell"), "--model", str(model_dir),
+                      "--http-listen", f"127.0.0.1:{port}"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _model(url: str) -> str:
+    return _client(url).models.list().data[0].id
+
+
+def _check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_required_yields_valid_calls(url: str, seed: int) -> None:
+    client = _client(url)
+    answer = client.chat.completions.create(
+        model=_model(url), messages=USER, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=120, seed=seed)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    _check_call(call.function.name, call.function.arguments)
+
+
+def test_a_named_function_streams_as_openai_streams_calls(url: str) -> None:
+    stream = _client(url).chat.completions.create(
+        model=_model(url), messages=USER, tools=TOOLS, stream=True, max_tokens=120, seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    deltas, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            reasons.append(choice.finish_reason)
+            assert not choice.delta.content
+    assert reasons[-1] == "tool_calls"
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_time")
+    assert first.id.startswith("call_")
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None
+                        for d in rest), "later deltas carry argument fragments only"
+    _check_call("get_time", "".join(d.function.arguments or "" for d in deltas))
+
+
+def test_auto_and_none(url: str) -> None:
+    client = _client(url)
+    auto = client.chat.completions.create(model=_model(url), messages=USER, tools=TOOLS,
+                                          max_tokens=8, seed=1)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model=_model(url), messages=USER, tools=TOOLS,
+                                          tool_choice="none", max_tokens=8, seed=1)
+    assert none.choices[0].message.tool_calls is None
+    plain = client.chat.completions.create(model=_model(url), messages=USER, max_tokens=8,
+                                           seed=1)
+    # none leaves the tools out of the prompt: the same prompt as without tools
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+
+
+def test_a_conversation_with_calls_and_results(url: str) -> None:
+    messages: list[dict[str, Any]] = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    answer = _client(url).chat.completions.create(model=_model(url), messages=messages,
+                                                  tools=TOOLS, max_tokens=4, seed=1)
+    assert answer.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize(("change", "param", "words"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope', which is not in tools"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+     "tools.0.function.name", "Field required"),
+    ({"tools": {"type": "function"}}, "tools", "valid list"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "contradict"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time",
+                                                     "arguments": "{not json"}}]}]},
+     None, "arguments are not valid JSON"),
+])
+def test_bad_tool_requests_are_400(url: str, change: dict[str, Any], param: str | None,
+                                   words: str) -> None:
+    body = {"model": _model(url), "messages": USER, "tools": TOOLS, **change}
+    answer = httpx.post(f"{url}/v1/chat/completions",
+                        json={k: v for k, v in body.items() if v is not None}, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
