@@ -220,6 +220,9 @@ def test_a_conversation_with_calls_and_results(url: str) -> None:
     ({"tools": {"type": "function"}}, "tools", "valid list"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "contradict"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "minProperties": "two"}}}]},
+     "tools", "grammar"),
     ({"messages": [*USER, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_time",
                                                      "arguments": "{not json"}}]}]},

@@ -38,7 +38,14 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem import tracing
-from tandem.errors import InvalidInput, RequestTooLarge, TandemError, http_error, http_headers
+from tandem.errors import (
+    BadConstraint,
+    InvalidInput,
+    RequestTooLarge,
+    TandemError,
+    http_error,
+    http_headers,
+)
 from tandem.openai_api import convert, schema
 from tandem.openai_api.backend import Backend
 from tandem.openai_api.remote_images import RemoteImageFetcher
@@ -123,6 +130,10 @@ async def _complete(request: Request, backend: Backend,
         return Response(status_code=CLIENT_CLOSED)
     except StopAsyncIteration:  # the backend ended the stream without a message: a bug
         return _error_response(TandemError("internal error; see the server log"))
+    except BadConstraint as exc:
+        if chat and convert.forces_call(body):  # the constraint is the tools' grammar
+            exc.param = "tools"
+        return _error_response(exc)
     except Exception as exc:
         return _error_response(exc)
     parser = (convert.tool_parser(body, info.tool_call_parser)

@@ -129,7 +129,7 @@ def _tools(req: schema.ChatCompletionRequest, msg: generate_pb2.GenerateRequest,
     unless told otherwise): a model shown tools tends to call them, and its calls would
     then be returned as text."""
     choice, tools = req.tool_choice, req.tools or []
-    forced = choice == "required" or isinstance(choice, schema.NamedToolChoice)
+    forced = forces_call(req)
     if forced and not tools:
         raise InvalidInput(f"tool_choice {_choice_name(choice)} needs tools",
                            "BAD_TOOLS", "tool_choice")
@@ -160,6 +160,14 @@ def _tools(req: schema.ChatCompletionRequest, msg: generate_pb2.GenerateRequest,
     msg.sampling.grammar = call_grammar(
         parser, [t.model_dump(exclude_none=True) for t in chosen],
         several=choice == "required" and req.parallel_tool_calls is not False)
+
+
+def forces_call(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> bool:
+    """Whether ``tool_choice`` forces a call (``required`` or a named function): then the
+    request's constraint is the grammar of the calls, and a schema it refuses is in
+    ``tools``."""
+    return isinstance(req, schema.ChatCompletionRequest) and (
+        req.tool_choice == "required" or isinstance(req.tool_choice, schema.NamedToolChoice))
 
 
 def _choice_name(choice: object) -> str:

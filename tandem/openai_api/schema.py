@@ -157,7 +157,7 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)  # OpenAI refuses [] too
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: a forced call is one call
     max_completion_tokens: U32 | None = None  # the newer name of max_tokens
