@@ -16,18 +16,27 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from hf_checkpoints import reference, save
 from text_checkpoints import qwen2_5_dir, reference_tokenizer
 
-from tandem.openai_api.tool_calls import ToolCallParser, detect_parser, parse_whole
+from tandem.openai_api.tool_calls import (
+    PARSERS,
+    ToolCallParser,
+    call_grammar,
+    detect_parser,
+    parse_whole,
+)
+from tandem.structured import Constraint, GuidanceBackend
 from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
 from tandem_testing.cells import free_port, running_cell
 
@@ -91,6 +100,34 @@ def test_parsers_read_known_outputs_whole_and_split_anywhere(
         got = _streamed(kind, [text[:cut], text[cut:]])
         assert (got[0] or None, got[1]) == (content, calls), cut
     assert _streamed(kind, list(text))[:2] == ((content or ""), calls)
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@pytest.mark.parametrize("several", [True, False])
+def test_a_forced_call_in_either_format_parses_and_fits_its_schema(kind: str,
+                                                                   several: bool) -> None:
+    """Random walks through the grammar (the built-in byte vocabulary) to its end (the
+    grammar complete, or end-of-sequence where it may end): whatever is sampled, the output
+    is calls the same format's parser reads, with arguments valid under their function's
+    schema."""
+    grammar = GuidanceBackend(load_tokenizer("tiny")).compile(
+        Constraint("grammar", call_grammar(kind, TOOLS, several)))  # type: ignore[arg-type]
+    tokenizer = load_tokenizer("tiny")
+    rng = random.Random(7)
+    for _ in range(4):
+        matcher, out = grammar.matcher(), []
+        while not matcher.is_stopped():
+            words = np.frombuffer(matcher.allowed_mask(), dtype="<u4")
+            token = int(rng.choice(np.flatnonzero(np.unpackbits(words.view(np.uint8),
+                                                                bitorder="little"))))
+            if token in tokenizer.special.eos_ids:
+                break
+            assert matcher.consume(token)
+            out.append(token)
+        content, calls = parse_whole(kind, tokenizer.decode(out))  # type: ignore[arg-type]
+        assert content is None and calls and (several or len(calls) == 1)
+        for call in calls:
+            _check_call(call.name, call.arguments)
 
 
 def test_the_parser_is_told_from_the_template() -> None:
