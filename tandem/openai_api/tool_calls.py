@@ -63,7 +63,9 @@ class CallDelta:
 
 
 @dataclass(slots=True)
-class ToolCall:
+class ParsedCall:
+    """A call read out of an output."""
+
     id: str
     name: str
     arguments: str  # JSON text of an object, as the model wrote it
@@ -197,7 +199,7 @@ class ToolCallParser:
         self._raw = ""  # the current call's text: content after all if it is no call
         self._call: _CallObject | None = None
         self._sent = 0  # characters of the call's arguments already given out
-        self.calls: list[ToolCall] = []
+        self.calls: list[ParsedCall] = []
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -282,7 +284,7 @@ class ToolCallParser:
                 out.content += self._raw
             return
         if not announced and call.name is not None:
-            self.calls.append(ToolCall(new_call_id(), call.name, ""))
+            self.calls.append(ParsedCall(new_call_id(), call.name, ""))
             delta = out.call(len(self.calls) - 1)
             delta.id, delta.name = self.calls[-1].id, call.name
         if call.name is not None and len(call.arguments) > self._sent:
@@ -313,7 +315,7 @@ def _held(text: str, kind: ParserKind) -> int:
     return marker + len(before) - len(before.rstrip(_WS))
 
 
-def parse_whole(kind: ParserKind, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_whole(kind: ParserKind, text: str) -> tuple[str | None, list[ParsedCall]]:
     """A whole output's content (None when empty) and tool calls."""
     parser = ToolCallParser(kind)
     content = parser.feed(text).content + parser.finish().content
