@@ -10,7 +10,7 @@
   function yield parsed calls whose arguments satisfy the function's schema (the grammar
   guarantees it, whatever the weights), streamed as OpenAI streams them, ``finish_reason``
   ``tool_calls``; ``auto`` and ``none``; a conversation with calls and results; bad
-  requests are 400 with the field at fault.
+  requests are 400 with the field at fault; the router's HTTP port in front of the cell.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import pytest
 from hf_checkpoints import reference, save
 from text_checkpoints import qwen2_5_dir, reference_tokenizer
 
+from router_svc.server import RouterConfig
+from tandem.openai_api.http_server import HttpConfig
 from tandem.openai_api.tool_calls import (
     PARSERS,
     ToolCallParser,
@@ -38,7 +40,8 @@ from tandem.openai_api.tool_calls import (
 )
 from tandem.structured import Constraint, GuidanceBackend
 from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
-from tandem_testing.cells import free_port, running_cell
+from tandem_testing.cells import Cell, free_port, running_cell
+from tandem_testing.router import running_router
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 8},
@@ -160,7 +163,7 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them() -> None:
 # --- end to end ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cell, str]]:
     """``tandem serve`` over a tiny random Qwen2 with Qwen2.5's template and tool tokens."""
     tokenizer = qwen2_5_dir()
     end, im_end = (load_tokenizer(tokenizer).encode(t, add_special_tokens=False)[0]
@@ -174,8 +177,13 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         {"bos_token_id": end, "eos_token_id": [im_end, end]}))
     port = free_port()
     with running_cell(tmp_path_factory.mktemp("cell"), "--model", str(model_dir),
-                      "--http-listen", f"127.0.0.1:{port}"):
-        yield f"http://127.0.0.1:{port}"
+                      "--http-listen", f"127.0.0.1:{port}") as cell:
+        yield cell, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def url(served: tuple[Cell, str]) -> str:
+    return served[1]
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -220,6 +228,20 @@ def test_a_named_function_streams_as_openai_streams_calls(url: str) -> None:
     assert rest and all(d.index == 0 and d.id is None and d.function.name is None
                         for d in rest), "later deltas carry argument fragments only"
     _check_call("get_time", "".join(d.function.arguments or "" for d in deltas))
+
+
+def test_the_router_serves_tool_calls_too(served: tuple[Cell, str]) -> None:
+    """The router's HTTP port: tools cross gRPC to the cell, the parser comes from the
+    cell's GetModelInfo."""
+    config = RouterConfig(cells=(served[0].target,), listen="127.0.0.1:0",
+                          health_interval=0.2, http=HttpConfig(listen="127.0.0.1:0"))
+    with running_router(config) as router:
+        answer = _client(router.url).chat.completions.create(
+            model=_model(router.url), messages=USER, tools=TOOLS, max_tokens=120, seed=4,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    _check_call(call.function.name, call.function.arguments)
 
 
 def test_auto_and_none(url: str) -> None:
