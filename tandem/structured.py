@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,17 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintUse:
+    """What a request's constraint cost it, for its usage and its span."""
+
+    kind: ConstraintKind
+    # Waited for the compiled constraint: the compile it started, ~0 on a cached one, the
+    # rest of one another request had started.
+    compile_ms: float
+    cache_hit: bool  # an earlier request's compile (cached or in flight) served it
 
 
 def constraint_from_proto(msg: generate_pb2.SamplingParams) -> Constraint | None:
@@ -254,8 +266,10 @@ class ConstraintCompiler:
             OrderedDict())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
-    async def matcher(self, constraint: Constraint, salt: str = "") -> Matcher:
-        """A fresh matcher for ``constraint``; BadConstraint for a bad or oversized spec.
+    async def matcher(self, constraint: Constraint,
+                      salt: str = "") -> tuple[Matcher, ConstraintUse]:
+        """A fresh matcher for ``constraint`` and what getting it cost; BadConstraint for a
+        bad or oversized spec.
 
         ``salt`` is the request's ``cache_salt``: tenants share compiles only as they share
         the prefix cache, so no client learns from a fast answer which schemas another
@@ -263,8 +277,10 @@ class ConstraintCompiler:
         if len(constraint.spec) > self.max_spec_chars:
             raise BadConstraint(f"the {constraint.kind} is {len(constraint.spec)} characters; "
                                 f"the limit is {self.max_spec_chars}")
+        start = time.perf_counter()
         key = (salt, constraint)
         future = self._cache.get(key)
+        cache_hit = future is not None
         if future is None:
             future = asyncio.get_running_loop().run_in_executor(
                 self._pool, self._backend.compile, constraint)
@@ -279,7 +295,9 @@ class ConstraintCompiler:
         except TimeoutError:
             raise BadConstraint(f"the {constraint.kind} did not compile within "
                                 f"{self.timeout_s:g} s; simplify it") from None
-        return grammar.matcher()
+        matcher = grammar.matcher()
+        return matcher, ConstraintUse(constraint.kind, (time.perf_counter() - start) * 1e3,
+                                      cache_hit)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
