@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import llguidance
+import numpy as np
 
 from tandem.errors import BadConstraint
 from tandem.text import HFTokenizer, Tokenizer
@@ -131,8 +132,9 @@ class ConstraintBackend(Protocol):
 
 
 class _GuidanceMatcher:
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int) -> None:
         self._m = matcher
+        self.mask_words = mask_words  # int32 words of its masks
 
     def allowed_mask(self) -> bytes:
         return self._m.compute_bitmask()
@@ -150,9 +152,35 @@ class _GuidanceMatcher:
 @dataclass(frozen=True, slots=True)
 class _GuidanceGrammar:
     template: llguidance.LLMatcher  # never advanced: each request gets a deep copy
+    mask_words: int
 
     def matcher(self) -> Matcher:
-        return _GuidanceMatcher(self.template.deep_copy())
+        return _GuidanceMatcher(self.template.deep_copy(), self.mask_words)
+
+
+_executor: llguidance.LLExecutor | None = None  # the library's mask threads, made on first use
+
+
+def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
+    """``[m.allowed_mask() for m in matchers]``, llguidance's matchers computed together
+    on the library's own threads (they run without the GIL).
+
+    NOTE: measured on the Qwen vocabulary (151,936 tokens), 16 rows on 2 loaded cores: one
+    by one 0.75 ms median, 10.6 ms max; together 0.32 ms, 1.0 ms max.
+    """
+    global _executor
+    if len(matchers) < 2 or not all(isinstance(m, _GuidanceMatcher) for m in matchers):
+        return [m.allowed_mask() for m in matchers]
+    guided: list[_GuidanceMatcher] = matchers  # type: ignore[assignment]  # checked above
+    words = guided[0].mask_words
+    if any(m.mask_words != words for m in guided):
+        raise ValueError("matchers of different vocabularies in one batch")
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    out = np.empty((len(guided), words), dtype=np.int32)
+    _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(guided)],
+                                      out.ctypes.data, words * 4, len(guided))
+    return [row.tobytes() for row in out]
 
 
 class GuidanceBackend:
@@ -179,7 +207,7 @@ class GuidanceBackend:
                                        limits=_LIMITS)
         if matcher.is_error():
             raise BadConstraint(f"{constraint.kind}: {_brief(matcher.get_error())}")
-        return _GuidanceGrammar(matcher)
+        return _GuidanceGrammar(matcher, (self._ll_tokenizer().vocab_size + 31) // 32)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from tandem.errors import BadConstraint
-from tandem.structured import Constraint, ConstraintCompiler, Grammar, GuidanceBackend
+from tandem.structured import (
+    Constraint,
+    ConstraintCompiler,
+    Grammar,
+    GuidanceBackend,
+    allowed_masks,
+)
 from tandem.text import ByteTokenizer
 from tandem.text.byte_tokenizer import EOS_ID, VOCAB_SIZE
 from worker_svc.sampler import unpack_token_masks
@@ -106,6 +112,19 @@ def test_json_allows_bounded_whitespace_and_eos_only_when_complete() -> None:
         compiler.close()
 
     asyncio.run(main())
+
+
+def test_masks_filled_together_are_each_matchers_own() -> None:
+    """The scheduler fills a step's masks in one call on the library's threads: each row is
+    what that matcher alone allows, whatever the others' positions and grammars."""
+    backend = GuidanceBackend(ByteTokenizer())
+    matchers = [backend.compile(Constraint(kind, spec)).matcher() for kind, spec in (
+        ("regex", "[ab]{2}c"), ("json_object", ""), ("choice", '["yes", "no"]'),
+        ("regex", "[ab]{2}c"))]
+    for m, prefix in zip(matchers, ("a", "{", "y", "ab"), strict=True):
+        assert all(m.consume(ord(ch)) for ch in prefix)
+    assert allowed_masks(matchers) == [m.allowed_mask() for m in matchers]
+    assert _allowed(allowed_masks(matchers)[3]) == {ord("c")}
 
 
 def test_unpacked_masks_refuse_tokens_past_the_bitmap() -> None:

@@ -38,7 +38,8 @@ from tandem.errors import error_info
 from tandem.openai_api.http_server import HttpConfig
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_cli.traces_view import read_spans
-from tandem_testing.cells import Cell, free_port, request, running_cell
+from tandem_testing.cells import Cell, free_port, free_port_pair, request, running_cell
+from tandem_testing.metrics import scrape
 from tandem_testing.router import RouterThread, running_router
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
@@ -184,14 +185,22 @@ def test_greedy_constrained_outputs_are_the_same_with_async_scheduling_on_and_of
 
 
 @pytest.fixture(scope="module")
-def cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cell, str]]:
-    """A cell with its HTTP port, writing its spans to ``trace.jsonl`` every 0.1 s."""
+def metrics_port() -> int:
+    return free_port_pair()
+
+
+@pytest.fixture(scope="module")
+def cell(tmp_path_factory: pytest.TempPathFactory,
+         metrics_port: int) -> Iterator[tuple[Cell, str]]:
+    """A cell with its HTTP port, writing its spans to ``trace.jsonl`` every 0.1 s,
+    serving metrics on ``metrics_port`` (worker 0: the port after it)."""
     port = free_port()
     tmp = tmp_path_factory.mktemp("structured")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # read when the cell starts
         running = running_cell(tmp, "--http-listen", f"127.0.0.1:{port}",
-                               "--trace-file", str(tmp / "trace.jsonl"))
+                               "--trace-file", str(tmp / "trace.jsonl"),
+                               "--metrics-port", str(metrics_port))
         cell = running.__enter__()
     try:
         yield cell, f"http://127.0.0.1:{port}"
@@ -272,10 +281,12 @@ def test_openai_sdk_parse_with_a_pydantic_model(cell: tuple[Cell, str]) -> None:
     assert answer.json()["choices"][0]["text"] in CHOICES
 
 
-def test_usage_and_span_say_the_constraint_and_its_compile(cell: tuple[Cell, str]) -> None:
+def test_usage_and_span_say_the_constraint_and_its_compile(cell: tuple[Cell, str],
+                                                           metrics_port: int) -> None:
     """The same schema twice over HTTP (the first compiles it, the second finds it
     cached), a regex over gRPC and free text: each one's usage and ``generate_content``
-    span name the constraint, its compile time and whether the cache served it."""
+    span name the constraint, its compile time and whether the cache served it; the
+    scheduler's mask time and the worker's wait for deferred masks are histograms."""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
               "required": ["n"], "additionalProperties": False}  # no other test sends it
     ids, usages = [], []  # usages: (kind, compile_ms, cache_hit) or None
@@ -312,3 +323,7 @@ def test_usage_and_span_say_the_constraint_and_its_compile(cell: tuple[Cell, str
         assert (attributes["tandem.constraint.kind"], attributes["tandem.constraint.cache_hit"],
                 attributes["tandem.constraint.compile_ms"]) == (kind, hit, pytest.approx(ms))
     assert "tandem.constraint.kind" not in spans[ids[3]]
+    # the mask histograms: the scheduler computed masks, the worker waited for deferred ones
+    scheduler, worker = scrape(metrics_port), scrape(metrics_port + 1)
+    assert scheduler["tandem_scheduler_mask_seconds_count"] > 0
+    assert worker["tandem_worker_mask_wait_seconds_count"] > 0
