@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -158,25 +159,37 @@ class _GuidanceGrammar:
         return _GuidanceMatcher(self.template.deep_copy(), self.mask_words)
 
 
-_executor: llguidance.LLExecutor | None = None  # the library's mask threads, made on first use
+# llguidance's mask threads, made on first use; only with enough cores to gain from them
+_executor: llguidance.LLExecutor | None = None
+MIN_CPUS_FOR_PARALLEL_MASKS = 4
 
 
 def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
-    """``[m.allowed_mask() for m in matchers]``, llguidance's matchers computed together
-    on the library's own threads (they run without the GIL).
+    """``[m.allowed_mask() for m in matchers]``; with at least
+    :data:`MIN_CPUS_FOR_PARALLEL_MASKS` usable CPUs, llguidance's matchers are computed
+    together on the library's own threads (they run without the GIL).
 
-    NOTE: measured on the Qwen vocabulary (151,936 tokens), 16 rows on 2 loaded cores: one
-    by one 0.75 ms median, 10.6 ms max; together 0.32 ms, 1.0 ms max.
+    NOTE: on 2 cores, one by one wins: 16 rows of the Qwen vocabulary (151,936 tokens)
+    took 1.1 ms one by one and 2.9 ms together (median; the library's pool then has one
+    thread, and the hand-off waits for a core the worker's forward holds), 18 ms per
+    step together inside a loaded cell (docs/benchmarks.md). ``bench/structured_output.py``
+    prints both ways for the machine it runs on.
     """
-    global _executor
-    if len(matchers) < 2 or not all(isinstance(m, _GuidanceMatcher) for m in matchers):
+    if (len(matchers) < 2 or len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_PARALLEL_MASKS
+            or not all(isinstance(m, _GuidanceMatcher) for m in matchers)):
         return [m.allowed_mask() for m in matchers]
-    guided: list[_GuidanceMatcher] = matchers  # type: ignore[assignment]  # checked above
-    words = guided[0].mask_words
-    if any(m.mask_words != words for m in guided):
-        raise ValueError("matchers of different vocabularies in one batch")
+    return fill_together(matchers)
+
+
+def fill_together(matchers: Sequence[Matcher]) -> list[bytes]:
+    """The masks of llguidance's ``matchers`` computed together on the library's threads."""
+    global _executor
+    guided = [m for m in matchers if isinstance(m, _GuidanceMatcher)]
+    if len(guided) != len(matchers) or len({m.mask_words for m in guided}) > 1:
+        raise ValueError("fill_together takes llguidance matchers of one vocabulary")
     if _executor is None:
         _executor = llguidance.LLExecutor()
+    words = guided[0].mask_words
     out = np.empty((len(guided), words), dtype=np.int32)
     _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(guided)],
                                       out.ctypes.data, words * 4, len(guided))

@@ -17,6 +17,7 @@ from tandem.structured import (
     Grammar,
     GuidanceBackend,
     allowed_masks,
+    fill_together,
 )
 from tandem.text import ByteTokenizer
 from tandem.text.byte_tokenizer import EOS_ID, VOCAB_SIZE
@@ -115,16 +116,18 @@ def test_json_allows_bounded_whitespace_and_eos_only_when_complete() -> None:
 
 
 def test_masks_filled_together_are_each_matchers_own() -> None:
-    """The scheduler fills a step's masks in one call on the library's threads: each row is
-    what that matcher alone allows, whatever the others' positions and grammars."""
+    """With enough CPUs the scheduler fills a step's masks in one call on the library's
+    threads: each row is what that matcher alone allows, whatever the others' positions
+    and grammars."""
     backend = GuidanceBackend(ByteTokenizer())
     matchers = [backend.compile(Constraint(kind, spec)).matcher() for kind, spec in (
         ("regex", "[ab]{2}c"), ("json_object", ""), ("choice", '["yes", "no"]'),
         ("regex", "[ab]{2}c"))]
     for m, prefix in zip(matchers, ("a", "{", "y", "ab"), strict=True):
         assert all(m.consume(ord(ch)) for ch in prefix)
-    assert allowed_masks(matchers) == [m.allowed_mask() for m in matchers]
-    assert _allowed(allowed_masks(matchers)[3]) == {ord("c")}
+    together = fill_together(matchers)
+    assert together == allowed_masks(matchers) == [m.allowed_mask() for m in matchers]
+    assert _allowed(together[3]) == {ord("c")}
 
 
 def test_unpacked_masks_refuse_tokens_past_the_bitmap() -> None:
