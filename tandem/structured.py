@@ -169,11 +169,10 @@ def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
     :data:`MIN_CPUS_FOR_PARALLEL_MASKS` usable CPUs, llguidance's matchers are computed
     together on the library's own threads (they run without the GIL).
 
-    NOTE: on 2 cores, one by one wins: 16 rows of the Qwen vocabulary (151,936 tokens)
-    took 1.1 ms one by one and 2.9 ms together (median; the library's pool then has one
-    thread, and the hand-off waits for a core the worker's forward holds), 18 ms per
-    step together inside a loaded cell (docs/benchmarks.md). ``bench/structured_output.py``
-    prints both ways for the machine it runs on.
+    NOTE: on 2 cores one by one wins: 16 rows of the Qwen vocabulary (151,936 tokens), each
+    state filled once, took 21-23 ms one by one and 24-25 ms together (medians, loaded
+    machine; the library's pool then has a single thread, and handing it work costs).
+    ``bench/structured_output.py`` prints both ways for the machine it runs on.
     """
     if (len(matchers) < 2 or len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_PARALLEL_MASKS
             or not all(isinstance(m, _GuidanceMatcher) for m in matchers)):
