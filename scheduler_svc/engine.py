@@ -43,6 +43,7 @@ from scheduler_svc.step_message import build_step_request
 from scheduler_svc.worker_client import SentStep, StepFailed, WorkerPool
 from tandem import tracing
 from tandem.errors import InvalidInput, TandemError, Unavailable
+from tandem.metrics import scheduler_mask_seconds
 from tandem.openai_api.tool_calls import detect_parser
 from tandem.processor_cache import SEGMENT_FILE, ProcessorCache, ShmProcessorCache
 from tandem.reuse_curve import ReuseCurve, capacities_around
@@ -135,6 +136,7 @@ class Engine:
         self.errors = 0  # unexpected errors the loop caught
         self.invariant_checks = 0  # passed, with TANDEM_DEBUG_INVARIANTS=1
         self.counters = SchedulerCounters()
+        self.mask_time = scheduler_mask_seconds()
         # Every processor-cache reference since start (the delivery ledger feeds it); it
         # outlives resets like the counters: the stream it measures is the clients'.
         self.reuse = ReuseCurve()
@@ -397,6 +399,8 @@ class Engine:
         if self._out and self._out[0].out.deferred_masks:  # the next step waits for them
             await self.workers.send_masks(self._out[0].sent.step_id,
                                           self.scheduler.deferred_masks(self._out[0].out))
+        if step.out.token_masks or step.out.deferred_masks:  # all its masks were computed
+            self.mask_time.observe(step.out.mask_seconds)
         if self._out:  # the workers are busy with the next step: no reason to wait
             self._deliver()
         if self._debug_invariants:

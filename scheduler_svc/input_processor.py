@@ -48,7 +48,7 @@ from tandem.features import (
 )
 from tandem.request_limits import check_image_count
 from tandem.sampling import BAD_SAMPLING, check_min_tokens, check_sampling, check_stop_strings
-from tandem.structured import ConstraintCompiler, Matcher, constraint_from_proto
+from tandem.structured import ConstraintCompiler, constraint_from_proto
 from tandem.text import (
     ChatMessage,
     ContentPart,
@@ -96,7 +96,10 @@ class InputProcessor:
         processor-cache miss.
         """
         sampling = self.sampling(msg)
-        matcher = await self._matcher(msg.sampling, msg.cache_salt)
+        constraint = constraint_from_proto(msg.sampling)
+        matcher, constraint_use = (
+            (None, None) if constraint is None
+            else await self.constraints.matcher(constraint, msg.cache_salt))
         prompt_ids, media = self._prompt(msg)
         images = await offload(lambda: self._images(media, msg.cache_salt)) if media else []
         token_ids, spans = expand_images(prompt_ids, self.tokenizer.image,
@@ -114,6 +117,7 @@ class InputProcessor:
             request_id=msg.request_id or uuid.uuid4().hex, token_ids=token_ids,
             num_prompt_tokens=len(token_ids), features=features, sampling=sampling,
             cache_salt=msg.cache_salt, media=media, trace=trace, matcher=matcher,
+            constraint=constraint_use,
             media_bytes=[im.nbytes for im in images],
             text=OutputText(self.tokenizer.incremental_decoder(), sampling.stop,
                             sampling.include_stop_str_in_output, sampling.min_tokens),
@@ -144,14 +148,6 @@ class InputProcessor:
         check_min_tokens(sampling.min_tokens, max_tokens)
         check_stop_strings(sampling.stop)
         return sampling
-
-    async def _matcher(self, sampling: generate_pb2.SamplingParams,
-                       salt: str) -> Matcher | None:
-        """A fresh matcher of the request's constraint (compiled off the loop, cached per
-        tenant)."""
-        constraint = constraint_from_proto(sampling)
-        return (None if constraint is None
-                else await self.constraints.matcher(constraint, salt))
 
     def process(self, media: generate_pb2.MediaItem) -> MultiModalKwargsItem:
         """Decode and process one image (CPU-heavy: call through the offload)."""

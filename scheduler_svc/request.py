@@ -12,7 +12,7 @@ from scheduler_svc.output_text import OutputText
 from scheduler_svc.prefix_hash import BlockHash, request_block_hashes
 from scheduler_svc.request_trace import RequestTrace
 from tandem.features import MultiModalFeatureSpec
-from tandem.structured import Matcher
+from tandem.structured import ConstraintUse, Matcher
 from tandem.v1 import generate_pb2, worker_pb2
 
 
@@ -125,6 +125,7 @@ class Request:
     # Structured output: where the applied outputs stand in the request's constraint
     # (None: free text). Only Scheduler.update advances it, with applied tokens only.
     matcher: Matcher | None = field(default=None, repr=False)
+    constraint: ConstraintUse | None = None  # its kind and compile cost (usage, span)
     images: list[ImageRecord] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -64,6 +64,10 @@ def usage_attributes(request: Request, model: str) -> dict[str, AttributeValue]:
         "tandem.request.preemptions": request.preemptions}
     if items:
         attributes["tandem.mm.cache_hit_ratio"] = request.mm_cache_hits / items
+    if request.constraint is not None:
+        attributes.update({"tandem.constraint.kind": request.constraint.kind,
+                           "tandem.constraint.compile_ms": request.constraint.compile_ms,
+                           "tandem.constraint.cache_hit": request.constraint.cache_hit})
     if request.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:  # else: cut short
         reason = generate_pb2.FinishReason.Name(request.finish_reason)
         attributes["gen_ai.response.finish_reasons"] = [reason.removeprefix("FINISH_REASON_")

@@ -30,6 +30,7 @@ see ``Engine.generate``; this rule does not depend on that).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from scheduler_svc.encoder_cache import EncoderCacheManager
 from scheduler_svc.image_usage import record_encoder
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, Status, StepOutput
+from tandem.structured import allowed_masks
 from tandem.v1 import generate_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ class SchedulerOutput:
     # constrained requests that sample in this step while the step before samples their
     # previous token: their masks follow once that step is applied (deferred_masks)
     deferred_masks: list[Request] = field(default_factory=list)
+    # seconds the scheduler spent computing this step's masks (sent and deferred ones)
+    mask_seconds: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -175,6 +179,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the workers in the next step
         self._preempted: list[Request] = []  # preempted between steps, likewise
         self._orphan_mm_hashes: list[str] = []  # encoder outputs of a predecessor, to drop
+        self._to_mask: list[Request] = []  # sampling in the step being scheduled, constrained
         self.counters = counters if counters is not None else SchedulerCounters()
 
     @property
@@ -278,6 +283,7 @@ class Scheduler:
         # the very step that tells the workers to drop it.
         if not out.preempted:
             budget, encoder_budget = self._schedule_waiting(out, budget, encoder_budget)
+        self._fill_masks(out)
         out.free_encoder_mm_hashes = self._orphan_mm_hashes + self.encoder.get_freed_mm_hashes()
         self._orphan_mm_hashes = []
         out.validate()
@@ -329,9 +335,20 @@ class Scheduler:
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1  # the step samples its next token
             if request.matcher is not None and request.num_output_placeholders == 1:
-                out.token_masks[request.request_id] = request.matcher.allowed_mask()
+                self._to_mask.append(request)  # its mask: once the step is complete
             elif request.matcher is not None:  # the step out samples what its mask needs
                 out.deferred_masks.append(request)
+
+    def _fill_masks(self, out: SchedulerOutput) -> None:
+        """The masks of the step's constrained requests that sample, computed together
+        (requests preempted since they were committed left the step)."""
+        requests = [r for r in self._to_mask if r.status is Status.RUNNING]
+        self._to_mask = []
+        if requests:
+            start = time.perf_counter()
+            masks = allowed_masks([r.matcher for r in requests])
+            out.token_masks = {r.request_id: m for r, m in zip(requests, masks, strict=True)}
+            out.mask_seconds += time.perf_counter() - start
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -391,7 +408,6 @@ class Scheduler:
         out.preempted.append(request)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.encoder_inputs.pop(request.request_id, None)
-        out.token_masks.pop(request.request_id, None)
         out.deferred_masks = [r for r in out.deferred_masks if r is not request]
         out.cached_requests = [c for c in out.cached_requests if c.request is not request]
 
@@ -400,9 +416,13 @@ class Scheduler:
         (their matchers have its tokens). A request that is no longer running (finished,
         aborted or preempted since) gets a mask allowing token 0 alone: what ``out``
         samples for it is dropped anyway."""
-        return {r.request_id: (r.matcher.allowed_mask()
-                               if r.status is Status.RUNNING and r.matcher is not None
-                               else _ONLY_TOKEN_0)
+        start = time.perf_counter()
+        live = [r for r in out.deferred_masks if r.status is Status.RUNNING]
+        masks = dict(zip((r.request_id for r in live),
+                         allowed_masks([r.matcher for r in live]),
+                         strict=True))
+        out.mask_seconds += time.perf_counter() - start
+        return {r.request_id: masks.get(r.request_id, _ONLY_TOKEN_0)
                 for r in out.deferred_masks}
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],

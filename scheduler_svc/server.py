@@ -90,6 +90,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     latency = None
     if registry is not None:
         registry.register(SnapshotCollector(lambda: metric_values(engine)))
+        registry.register(engine.mask_time)
         latency = RequestLatency(registry)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, latency),
                                                        public.server)

@@ -73,6 +73,10 @@ def to_response(req: Request, out: StepOutput,
             cached_prompt_tokens=max(req.num_cached_tokens, 0), mm_items=len(req.features),
             mm_cache_hits=req.mm_cache_hits, encoder_runs=req.encoder_runs,
             images=usage_images(req.images, req.num_cached_tokens)))
+        if req.constraint is not None:
+            msg.usage.constraint.CopyFrom(generate_pb2.ConstraintUsage(
+                kind=req.constraint.kind, compile_ms=req.constraint.compile_ms,
+                cache_hit=req.constraint.cache_hit))
     return msg
 
 

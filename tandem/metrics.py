@@ -85,6 +85,27 @@ _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0)
 _DURATION_BUCKETS = (.05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+# Structured output: token masks cost from ~0.1 ms (a few rows, a small vocabulary) to tens
+# of ms (many rows' first masks in a large vocabulary).
+_MASK_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, 1.0)
+
+
+def scheduler_mask_seconds() -> Histogram:
+    """Per step with token masks, the scheduler's time computing them, sent and deferred
+    ones (unregistered: the scheduler's server registers it when it serves metrics)."""
+    return Histogram("tandem_scheduler_mask_seconds",
+                     "Scheduler time computing a step's token masks (structured output; "
+                     "steps with masks only)", registry=None, buckets=_MASK_BUCKETS)
+
+
+def worker_mask_wait_seconds() -> Histogram:
+    """Per step with deferred masks, how long the worker waited for them after its forward
+    (unregistered: the worker's server registers it when it serves metrics)."""
+    return Histogram("tandem_worker_mask_wait_seconds",
+                     "Worker wait, after the forward, for a step's deferred token masks "
+                     "(steps with deferred masks only)", registry=None, buckets=_MASK_BUCKETS)
+
+
 class SnapshotCollector(Collector):
     """Turns ``read()`` (metric name -> value, names from :data:`METRICS`) into samples; the
     value of a name in :data:`LABELS` maps label values to samples."""

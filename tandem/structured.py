@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import llguidance
+import numpy as np
 
 from tandem.errors import BadConstraint
 from tandem.text import Tokenizer
@@ -63,6 +66,17 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintUse:
+    """What a request's constraint cost it, for its usage and its span."""
+
+    kind: ConstraintKind
+    # Waited for the compiled constraint: the compile it started, ~0 on a cached one, the
+    # rest of one another request had started.
+    compile_ms: float
+    cache_hit: bool  # an earlier request's compile (cached or in flight) served it
 
 
 def constraint_from_proto(msg: generate_pb2.SamplingParams) -> Constraint | None:
@@ -119,8 +133,9 @@ class ConstraintBackend(Protocol):
 
 
 class _GuidanceMatcher:
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int) -> None:
         self._m = matcher
+        self.mask_words = mask_words  # int32 words of its masks
 
     def allowed_mask(self) -> bytes:
         return self._m.compute_bitmask()
@@ -138,9 +153,46 @@ class _GuidanceMatcher:
 @dataclass(frozen=True, slots=True)
 class _GuidanceGrammar:
     template: llguidance.LLMatcher  # never advanced: each request gets a deep copy
+    mask_words: int
 
     def matcher(self) -> Matcher:
-        return _GuidanceMatcher(self.template.deep_copy())
+        return _GuidanceMatcher(self.template.deep_copy(), self.mask_words)
+
+
+# llguidance's mask threads, made on first use; only with enough cores to gain from them
+_executor: llguidance.LLExecutor | None = None
+MIN_CPUS_FOR_PARALLEL_MASKS = 4
+
+
+def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
+    """``[m.allowed_mask() for m in matchers]``; with at least
+    :data:`MIN_CPUS_FOR_PARALLEL_MASKS` usable CPUs, llguidance's matchers are computed
+    together on the library's own threads (they run without the GIL).
+
+    NOTE: on 2 cores one by one wins: 16 rows of the Qwen vocabulary (151,936 tokens), each
+    state filled once, took 21-23 ms one by one and 24-25 ms together (medians, loaded
+    machine; the library's pool then has a single thread, and handing it work costs).
+    ``bench/structured_output.py`` prints both ways for the machine it runs on.
+    """
+    if (len(matchers) < 2 or len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_PARALLEL_MASKS
+            or not all(isinstance(m, _GuidanceMatcher) for m in matchers)):
+        return [m.allowed_mask() for m in matchers]
+    return fill_together(matchers)
+
+
+def fill_together(matchers: Sequence[Matcher]) -> list[bytes]:
+    """The masks of llguidance's ``matchers`` computed together on the library's threads."""
+    global _executor
+    guided = [m for m in matchers if isinstance(m, _GuidanceMatcher)]
+    if len(guided) != len(matchers) or len({m.mask_words for m in guided}) > 1:
+        raise ValueError("fill_together takes llguidance matchers of one vocabulary")
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    words = guided[0].mask_words
+    out = np.empty((len(guided), words), dtype=np.int32)
+    _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(guided)],
+                                      out.ctypes.data, words * 4, len(guided))
+    return [row.tobytes() for row in out]
 
 
 class GuidanceBackend:
@@ -166,7 +218,7 @@ class GuidanceBackend:
                                        limits=_LIMITS)
         if matcher.is_error():
             raise BadConstraint(f"{constraint.kind}: {_brief(matcher.get_error())}")
-        return _GuidanceGrammar(matcher)
+        return _GuidanceGrammar(matcher, (self._ll_tokenizer().vocab_size + 31) // 32)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -254,8 +306,10 @@ class ConstraintCompiler:
             OrderedDict())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
-    async def matcher(self, constraint: Constraint, salt: str = "") -> Matcher:
-        """A fresh matcher for ``constraint``; BadConstraint for a bad or oversized spec.
+    async def matcher(self, constraint: Constraint,
+                      salt: str = "") -> tuple[Matcher, ConstraintUse]:
+        """A fresh matcher for ``constraint`` and what getting it cost; BadConstraint for a
+        bad or oversized spec.
 
         ``salt`` is the request's ``cache_salt``: tenants share compiles only as they share
         the prefix cache, so no client learns from a fast answer which schemas another
@@ -263,8 +317,10 @@ class ConstraintCompiler:
         if len(constraint.spec) > self.max_spec_chars:
             raise BadConstraint(f"the {constraint.kind} is {len(constraint.spec)} characters; "
                                 f"the limit is {self.max_spec_chars}")
+        start = time.perf_counter()
         key = (salt, constraint)
         future = self._cache.get(key)
+        cache_hit = future is not None
         if future is None:
             future = asyncio.get_running_loop().run_in_executor(
                 self._pool, self._backend.compile, constraint)
@@ -279,7 +335,9 @@ class ConstraintCompiler:
         except TimeoutError:
             raise BadConstraint(f"the {constraint.kind} did not compile within "
                                 f"{self.timeout_s:g} s; simplify it") from None
-        return grammar.matcher()
+        matcher = grammar.matcher()
+        return matcher, ConstraintUse(constraint.kind, (time.perf_counter() - start) * 1e3,
+                                      cache_hit)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -31,6 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 also free: ``tandem serve --metrics-port P`` serves the
+    scheduler's metrics on P and worker 0's on P + 1."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @dataclass
 class Cell:
     target: str

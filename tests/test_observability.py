@@ -4,7 +4,6 @@ a trace file, and scraped from the scheduler's and the worker's ``/metrics``."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from otlp_receiver import OtlpReceiver
 from tandem.v1 import generate_pb2
 from tandem_cli.cli import main
 from tandem_cli.traces_view import Span, read_spans
-from tandem_testing.cells import Cell, png, request, running_cell
+from tandem_testing.cells import Cell, free_port_pair, png, request, running_cell
 from tandem_testing.metrics import scrape
 
 PROMPT = "Describe this picture: <image> in a few words, please, and be brief about it."
@@ -32,20 +31,6 @@ class Scenario:
     before: dict[str, float]  # scheduler metrics before the two requests
     after: dict[str, float]
     worker: dict[str, float]  # rank 0's metrics after them
-
-
-def _consecutive_free_ports() -> int:
-    """A port P with P + 1 also free (the scheduler's metrics, then worker 0's)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _generate(cell: Cell, request_id: str, metadata: tuple = ()) -> generate_pb2.Usage:
@@ -67,7 +52,7 @@ def _both_services_exported(spans: list[Span]) -> bool:
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     tmp = tmp_path_factory.mktemp("observability")
     trace_file = tmp / "traces.jsonl"
-    port = _consecutive_free_ports()
+    port = free_port_pair()
     with OtlpReceiver() as receiver:
         flags = ("--otlp-endpoint", receiver.endpoint, "--trace-file", str(trace_file),
                  "--metrics-port", str(port))

@@ -180,7 +180,8 @@ def test_chat_chunks_and_usage() -> None:
     assert last.choices == [] and last.usage.total_tokens == 14
     assert last.usage.prompt_tokens_details.cached_tokens == 8
     assert last.usage.tandem.model_dump() == {"mm_items": 2, "mm_cache_hits": 1,
-                                              "encoder_runs": 1, "images": []}
+                                              "encoder_runs": 1, "images": [],
+                                              "constraint": None}
     without = asyncio.run(_all(convert.chat_chunks(_iterate(STREAM), META, False, False)))
     assert all(c.usage is None and c.choices[0].logprobs is None for c in without)
 

@@ -155,7 +155,8 @@ def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell], router: RouterT
         assert usage.prompt_tokens_details.cached_tokens > 0
         tandem = usage.model_extra["tandem"]
         [image] = tandem.pop("images")
-        assert tandem == {"mm_items": 1, "mm_cache_hits": 1, "encoder_runs": 0}
+        assert tandem == {"mm_items": 1, "mm_cache_hits": 1, "encoder_runs": 0,
+                          "constraint": None}
         assert (image["processor_cache"], image["transport"]) == ("hit", "shm")
 
 

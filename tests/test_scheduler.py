@@ -291,8 +291,8 @@ def test_a_token_its_constraint_refuses_ends_a_request_with_constraint(
     h = Harness()
     broken, done = _request("broken", image=None, max_tokens=10), _request("done", image=None,
                                                                           max_tokens=10)
-    broken.matcher = asyncio.run(compiler.matcher(Constraint("regex", "A+b")))
-    done.matcher = asyncio.run(compiler.matcher(Constraint("choice", '["A"]')))
+    broken.matcher, _ = asyncio.run(compiler.matcher(Constraint("regex", "A+b")))
+    done.matcher, _ = asyncio.run(compiler.matcher(Constraint("choice", '["A"]')))
     for r in (broken, done):
         h.sched.add_request(r)
     out, res = h.step(sample=ord("A"))

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from tandem.errors import BadConstraint
-from tandem.structured import Constraint, ConstraintCompiler, Grammar, GuidanceBackend
+from tandem.structured import (
+    Constraint,
+    ConstraintCompiler,
+    Grammar,
+    GuidanceBackend,
+    allowed_masks,
+    fill_together,
+)
 from tandem.text import ByteTokenizer
 from tandem.text.byte_tokenizer import EOS_ID, VOCAB_SIZE
 from worker_svc.sampler import unpack_token_masks
@@ -42,8 +49,13 @@ def test_same_spec_compiles_once_and_errors_are_cached() -> None:
         backend = CountingBackend()
         compiler = ConstraintCompiler(backend)
         spec = Constraint("regex", "[ab]{2}")
-        matchers = await asyncio.gather(*(compiler.matcher(spec) for _ in range(8)))
+        started = await asyncio.gather(*(compiler.matcher(spec) for _ in range(8)))
+        matchers = [m for m, _ in started]
         assert len(backend.compiles) == 1, "concurrent requests share one compile"
+        uses = [use for _, use in started]
+        assert [u.cache_hit for u in uses] == [False] + [True] * 7, "the first one compiled"
+        assert all(u.kind == "regex" and u.compile_ms >= 0 for u in uses)
+        assert (await compiler.matcher(spec))[1].cache_hit
         assert all(_allowed(m.allowed_mask()) == {ord("a"), ord("b")} for m in matchers)
         assert matchers[0].consume(ord("a")) and matchers[0].consume(ord("b"))
         assert matchers[0].is_stopped() and _allowed(matchers[1].allowed_mask()) == {
@@ -76,7 +88,7 @@ def test_size_bound_timeout_and_eviction() -> None:
         with pytest.raises(BadConstraint, match=r"did not compile within 0\.2 s"):
             await compiler.matcher(slow)
         gate.set()
-        matcher = await compiler.matcher(slow)  # the same compile, finished meanwhile
+        matcher, _ = await compiler.matcher(slow)  # the same compile, finished meanwhile
         assert len(backend.compiles) == 1 and _allowed(matcher.allowed_mask()) == {ord("x")}
         for spec in ("y", "z"):
             await compiler.matcher(Constraint("regex", spec))
@@ -90,7 +102,7 @@ def test_size_bound_timeout_and_eviction() -> None:
 def test_json_allows_bounded_whitespace_and_eos_only_when_complete() -> None:
     async def main() -> None:
         compiler = ConstraintCompiler(GuidanceBackend(ByteTokenizer()))
-        m = await compiler.matcher(Constraint("json_object", ""))
+        m, _ = await compiler.matcher(Constraint("json_object", ""))
         assert m.consume(ord("{"))
         for _ in range(2):
             assert ord(" ") in _allowed(m.allowed_mask()) and m.consume(ord(" "))
@@ -101,6 +113,21 @@ def test_json_allows_bounded_whitespace_and_eos_only_when_complete() -> None:
         compiler.close()
 
     asyncio.run(main())
+
+
+def test_masks_filled_together_are_each_matchers_own() -> None:
+    """With enough CPUs the scheduler fills a step's masks in one call on the library's
+    threads: each row is what that matcher alone allows, whatever the others' positions
+    and grammars."""
+    backend = GuidanceBackend(ByteTokenizer())
+    matchers = [backend.compile(Constraint(kind, spec)).matcher() for kind, spec in (
+        ("regex", "[ab]{2}c"), ("json_object", ""), ("choice", '["yes", "no"]'),
+        ("regex", "[ab]{2}c"))]
+    for m, prefix in zip(matchers, ("a", "{", "y", "ab"), strict=True):
+        assert all(m.consume(ord(ch)) for ch in prefix)
+    together = fill_together(matchers)
+    assert together == allowed_masks(matchers) == [m.allowed_mask() for m in matchers]
+    assert _allowed(together[3]) == {ord("c")}
 
 
 def test_unpacked_masks_refuse_tokens_past_the_bitmap() -> None:

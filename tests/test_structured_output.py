@@ -8,7 +8,9 @@ their equivalent regex); greedy outputs are the same with asynchronous schedulin
 (on: a step's masks follow it, once the step before is applied);
 a request cut by ``max_tokens`` says LENGTH. Over a ``tandem serve`` cell: a bad schema is
 INVALID_ARGUMENT (reason BAD_CONSTRAINT) over gRPC and 400 ``param: response_format`` over
-HTTP, and the ``openai`` SDK's ``chat.completions.parse`` with a pydantic model works.
+HTTP, the ``openai`` SDK's ``chat.completions.parse`` with a pydantic model works, and the
+usage and the request's span say which constraint it had, its compile time and whether the
+compile cache served it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -34,7 +37,9 @@ from scheduler_svc.engine import Engine
 from tandem.errors import error_info
 from tandem.openai_api.http_server import HttpConfig
 from tandem.v1 import generate_pb2, generate_pb2_grpc
-from tandem_testing.cells import Cell, free_port, request, running_cell
+from tandem_cli.traces_view import read_spans
+from tandem_testing.cells import Cell, free_port, free_port_pair, request, running_cell
+from tandem_testing.metrics import scrape
 from tandem_testing.router import RouterThread, running_router
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import PRESETS
@@ -180,11 +185,27 @@ def test_greedy_constrained_outputs_are_the_same_with_async_scheduling_on_and_of
 
 
 @pytest.fixture(scope="module")
-def cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cell, str]]:
+def metrics_port() -> int:
+    return free_port_pair()
+
+
+@pytest.fixture(scope="module")
+def cell(tmp_path_factory: pytest.TempPathFactory,
+         metrics_port: int) -> Iterator[tuple[Cell, str]]:
+    """A cell with its HTTP port, writing its spans to ``trace.jsonl`` every 0.1 s,
+    serving metrics on ``metrics_port`` (worker 0: the port after it)."""
     port = free_port()
-    with running_cell(tmp_path_factory.mktemp("structured"),
-                      "--http-listen", f"127.0.0.1:{port}") as running:
-        yield running, f"http://127.0.0.1:{port}"
+    tmp = tmp_path_factory.mktemp("structured")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # read when the cell starts
+        running = running_cell(tmp, "--http-listen", f"127.0.0.1:{port}",
+                               "--trace-file", str(tmp / "trace.jsonl"),
+                               "--metrics-port", str(metrics_port))
+        cell = running.__enter__()
+    try:
+        yield cell, f"http://127.0.0.1:{port}"
+    finally:
+        running.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("kind, spec", [
@@ -258,3 +279,51 @@ def test_openai_sdk_parse_with_a_pydantic_model(cell: tuple[Cell, str]) -> None:
         "structured_outputs": {"choice": CHOICES}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] in CHOICES
+
+
+def test_usage_and_span_say_the_constraint_and_its_compile(cell: tuple[Cell, str],
+                                                           metrics_port: int) -> None:
+    """The same schema twice over HTTP (the first compiles it, the second finds it
+    cached), a regex over gRPC and free text: each one's usage and ``generate_content``
+    span name the constraint, its compile time and whether the cache served it; the
+    scheduler's mask time and the worker's wait for deferred masks are histograms."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # no other test sends it
+    ids, usages = [], []  # usages: (kind, compile_ms, cache_hit) or None
+    for _ in range(2):
+        answer = httpx.post(f"{cell[1]}/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "max_tokens": 20, "messages": [{"role": "user", "content": "N?"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "n", "schema": schema}}})
+        assert answer.status_code == 200, answer.text
+        ids.append(answer.headers["x-request-id"])
+        usages.append(tuple(answer.json()["usage"]["tandem"]["constraint"].values()))
+    assert [(kind, hit) for kind, _, hit in usages] == [("json_schema", False),
+                                                         ("json_schema", True)]
+    assert usages[0][1] > 0 and usages[1][1] >= 0
+    stub = generate_pb2_grpc.GenerationStub(cell[0].channel)
+    for msg in (_constrained("regex", REGEX, 0, max_tokens=12), request("Hi", max_tokens=2)):
+        *_, last = stub.Generate(msg, timeout=30)
+        ids.append(last.request_id)
+        c = last.usage.constraint
+        usages.append((c.kind, c.compile_ms, c.cache_hit) if last.usage.HasField("constraint")
+                      else None)
+    assert usages[2][0] == "regex" and usages[3] is None
+
+    trace_file = cell[0].shm_dir.parent / "trace.jsonl"
+    deadline = time.monotonic() + 20
+    while True:  # spans are written in batches, every 0.1 s here
+        spans = {s.attributes.get("gen_ai.response.id"): s.attributes
+                 for s in read_spans(trace_file) if s.name.startswith("generate_content")}
+        if set(ids) <= spans.keys() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for rid, (kind, ms, hit) in zip(ids[:3], usages[:3], strict=True):
+        attributes = spans[rid]
+        assert (attributes["tandem.constraint.kind"], attributes["tandem.constraint.cache_hit"],
+                attributes["tandem.constraint.compile_ms"]) == (kind, hit, pytest.approx(ms))
+    assert "tandem.constraint.kind" not in spans[ids[3]]
+    # the mask histograms: the scheduler computed masks, the worker waited for deferred ones
+    scheduler, worker = scrape(metrics_port), scrape(metrics_port + 1)
+    assert scheduler["tandem_scheduler_mask_seconds_count"] > 0
+    assert worker["tandem_worker_mask_wait_seconds_count"] > 0

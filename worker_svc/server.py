@@ -344,6 +344,7 @@ async def create_server(config: WorkerConfig) -> RunningWorker:
     if config.metrics_port:
         registry = CollectorRegistry()
         registry.register(SnapshotCollector(servicer.telemetry.metric_values))
+        registry.register(servicer.telemetry.mask_wait)
         metrics = await MetricsEndpoint.start(registry, config.metrics_port)
     return RunningWorker(config, server, addresses, servicer, executor, warmup, metrics)
 

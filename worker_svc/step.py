@@ -8,6 +8,7 @@ logs never show prompts.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from tandem.errors import TandemError, Unavailable
@@ -74,6 +75,7 @@ class DeferredMasks:
         self.request_ids = frozenset(request_ids)
         self._event = threading.Event()
         self._masks: dict[str, bytes] | None = None  # None: cancelled (if the event is set)
+        self.waited_s = 0.0  # how long wait() waited
 
     def deliver(self, masks: dict[str, bytes]) -> None:
         if not self._event.is_set():
@@ -84,7 +86,9 @@ class DeferredMasks:
         self._event.set()
 
     def wait(self) -> dict[str, bytes]:
+        start = time.perf_counter()
         self._event.wait()
+        self.waited_s = time.perf_counter() - start
         if self._masks is None:
             raise Unavailable("the step stream ended before the step's token masks came",
                               reason="MASKS_NOT_SENT")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from tandem import tracing
+from tandem.metrics import worker_mask_wait_seconds
 from worker_svc.step import StepInput, StepOutput
 
 
@@ -26,6 +27,7 @@ class StepTelemetry:
         self.encoder_runs = 0
         self.shm_resolved = 0
         self.shm_acked = 0
+        self.mask_wait = worker_mask_wait_seconds()
 
     def run(self, step: StepInput, run: Callable[[StepInput], StepOutput]) -> StepOutput:
         """``run(step)``, traced when tracing is on, and counted."""
@@ -34,6 +36,8 @@ class StepTelemetry:
         self.encoder_runs += output.encoder_runs
         self.shm_resolved += output.shm_resolved
         self.shm_acked += output.shm_acked
+        if step.deferred_masks is not None:
+            self.mask_wait.observe(step.deferred_masks.waited_s)
         return output
 
     def _traced(self, step: StepInput, run: Callable[[StepInput], StepOutput]) -> StepOutput:

@@ -323,7 +323,12 @@ def usage(u: generate_pb2.Usage) -> schema.Usage:
         prompt_tokens_details=schema.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens),
         tandem=schema.TandemUsage(mm_items=u.mm_items, mm_cache_hits=u.mm_cache_hits,
                                   encoder_runs=u.encoder_runs,
-                                  images=[image_usage(i) for i in u.images]))
+                                  images=[image_usage(i) for i in u.images],
+                                  constraint=(schema.TandemConstraintUsage(
+                                      kind=u.constraint.kind,
+                                      compile_ms=u.constraint.compile_ms,
+                                      cache_hit=u.constraint.cache_hit)
+                                      if u.HasField("constraint") else None)))
 
 
 def image_usage(i: generate_pb2.ImageUsage) -> schema.TandemImageUsage:

@@ -196,13 +196,22 @@ class TandemImageUsage(_Response):
     tokens: int  # placeholder tokens of the image
 
 
+class TandemConstraintUsage(_Response):
+    """What the request's structured-output constraint cost (``Usage.constraint``)."""
+
+    kind: str  # json_schema | json_object | regex | grammar | choice
+    compile_ms: float  # waited for its compile (~0 when a cached one served it)
+    cache_hit: bool  # an earlier request's compile served it
+
+
 class TandemUsage(_Response):
-    """Tandem's multimodal cache figures (an extension of OpenAI's usage)."""
+    """Tandem's cache figures (an extension of OpenAI's usage)."""
 
     mm_items: int  # images in the request
     mm_cache_hits: int  # images whose processed features came from the processor cache
     encoder_runs: int  # images the workers ran through the vision encoder
     images: list[TandemImageUsage]  # one per image, in prompt order
+    constraint: TandemConstraintUsage | None = None  # None: free text
 
 
 class Usage(_Response):

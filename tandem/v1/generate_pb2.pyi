@@ -167,7 +167,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs", "images")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "mm_items", "mm_cache_hits", "encoder_runs", "images", "constraint")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class Usage(_message.Message):
     MM_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -182,7 +183,18 @@ class Usage(_message.Message):
     mm_cache_hits: int
     encoder_runs: int
     images: _containers.RepeatedCompositeFieldContainer[ImageUsage]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., mm_items: _Optional[int] = ..., mm_cache_hits: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageUsage, _Mapping]]] = ...) -> None: ...
+    constraint: ConstraintUsage
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., mm_items: _Optional[int] = ..., mm_cache_hits: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageUsage, _Mapping]]] = ..., constraint: _Optional[_Union[ConstraintUsage, _Mapping]] = ...) -> None: ...
+
+class ConstraintUsage(_message.Message):
+    __slots__ = ("kind", "compile_ms", "cache_hit")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    compile_ms: float
+    cache_hit: bool
+    def __init__(self, kind: _Optional[str] = ..., compile_ms: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class ImageUsage(_message.Message):
     __slots__ = ("key", "processor_cache", "refused_reason", "transport", "encoder", "cached_tokens", "tokens")
