@@ -37,7 +37,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -53,6 +52,7 @@ from tandem_testing.cells import Cell, free_port_pair, running_cell
 from tandem_testing.environment import environment_lines
 from tandem_testing.hf_models import smollm2_dir
 from tandem_testing.metrics import scrape
+from tandem_testing.text_checkpoints import qwen2_vl_dir
 
 CONCURRENCY = (1, 16)
 QWEN_VOCAB = 151936
@@ -248,15 +248,18 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
 
 @contextmanager
 def qwen_vocab_model() -> Iterator[Path]:
-    """A tiny random Llama with the real Qwen vocabulary and chat template (the tests'
-    builders, tests/hf_checkpoints.py and tests/text_checkpoints.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from hf_checkpoints import reference, save
-    from text_checkpoints import qwen2_vl_dir
+    """A tiny random Llama (transformers' own initialization) with the real Qwen vocabulary
+    and chat template (tandem_testing/text_checkpoints.py): a forward that costs almost
+    nothing, so the masks' share of a step is at its largest."""
+    import transformers  # the dev extra's reference implementation, only for this model
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "llama-qwen-vocab"
-        save(reference("llama", vocab_size=QWEN_VOCAB), out)
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=False,
+            eos_token_id=QWEN_EOS)
+        transformers.LlamaForCausalLM(config).save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(qwen2_vl_dir() / name, out / name)
         (out / "generation_config.json").write_text(json.dumps(

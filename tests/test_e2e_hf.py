@@ -3,7 +3,7 @@ transformers on the same files.
 
 The tiny Qwen2-VL / Qwen2.5-VL checkpoints carry the real Qwen vocabulary (151936 rows, the
 special tokens at their real ids), the tokenizer and a Qwen2-VL-style chat template
-(tests/text_checkpoints.py), a ``preprocessor_config.json`` and random untied weights with
+(tandem_testing/text_checkpoints.py), a ``preprocessor_config.json`` and random untied weights with
 non-zero biases (tests/hf_checkpoints.py). The reference renders the same messages with
 transformers' ``apply_chat_template``, processes the same PNG files with its own image
 processor, expands each ``<|image_pad|>`` to the image's embedding count and runs
@@ -24,11 +24,11 @@ import pytest
 import torch
 from hf_checkpoints import reference, save, smollm2_dir
 from PIL import Image
-from text_checkpoints import qwen2_vl_dir, reference_tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, png, running_cell
+from tandem_testing.text_checkpoints import qwen2_vl_dir, reference_tokenizer
 
 VOCAB = 151936
 QWEN_IDS = dict(image_token_id=151655, vision_start_token_id=151652,

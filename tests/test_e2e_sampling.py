@@ -26,11 +26,11 @@ import pytest
 import torch
 from hf_checkpoints import reference, save
 from sampling_reference import greedy, hf_logits
-from text_checkpoints import qwen2_vl_dir, reference_tokenizer
 
 from tandem.errors import error_info
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, running_cell
+from tandem_testing.text_checkpoints import qwen2_vl_dir, reference_tokenizer
 
 pytestmark = pytest.mark.slow  # two cells of a 151936-token vocabulary (~1 min)
 

@@ -25,7 +25,6 @@ import httpx
 import openai
 import pytest
 from engines import running_engine
-from text_checkpoints import llama3_style_dir, qwen2_vl_dir
 from workers import running_worker
 
 from router_svc.server import RouterConfig
@@ -41,6 +40,7 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from tandem_cli.cli import build_parser
 from tandem_testing.cells import Cell, free_port, running_cell
 from tandem_testing.router import RouterThread, running_router
+from tandem_testing.text_checkpoints import llama3_style_dir, qwen2_vl_dir
 from worker_svc.config import WorkerConfig
 
 NAMES = ("tiny-chat", "tiny-alias")

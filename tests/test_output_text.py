@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from text_checkpoints import qwen2_vl_dir
 
 from scheduler_svc.output_text import OutputText
 from tandem.text import ByteTokenizer, Tokenizer, load_tokenizer
+from tandem_testing.text_checkpoints import qwen2_vl_dir
 
 BYTES = ByteTokenizer()
 

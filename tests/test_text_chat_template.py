@@ -6,12 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-from text_checkpoints import llama3_style_dir, qwen2_vl_dir, reference_tokenizer, smollm2_dir
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from tandem.errors import InvalidInput
 from tandem.text import ChatMessage, ImagePart, TextPart, encode_chat, load_tokenizer
 from tandem.text.chat_template import ChatTemplate, template_data
+from tandem_testing.text_checkpoints import (
+    llama3_style_dir,
+    qwen2_vl_dir,
+    reference_tokenizer,
+    smollm2_dir,
+)
 
 
 def _msg(role: str, *parts: str | None) -> ChatMessage:

@@ -10,10 +10,15 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from text_checkpoints import llama3_style_dir, qwen2_vl_dir, reference_tokenizer, smollm2_dir
 
 from tandem.text import ByteTokenizer, StreamDecoder, Tokenizer, load_tokenizer
 from tandem.text.detokenizer import MAX_PENDING, REPLACEMENT
+from tandem_testing.text_checkpoints import (
+    llama3_style_dir,
+    qwen2_vl_dir,
+    reference_tokenizer,
+    smollm2_dir,
+)
 
 MULTIBYTE = [
     "你好，世界！这是一个关于流式解码的测试。",  # noqa: RUF001 (CJK punctuation)

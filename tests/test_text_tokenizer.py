@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from text_checkpoints import (
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from tandem.errors import InvalidInput
+from tandem.text import ByteTokenizer, HFTokenizer, expand_images, load_tokenizer
+from tandem.text import byte_tokenizer as byte_vocab
+from tandem_testing.text_checkpoints import (
     QWEN_FIRST_SPECIAL_ID,
     llama3_style_dir,
     qwen2_vl_dir,
     reference_tokenizer,
     smollm2_dir,
 )
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-
-from tandem.errors import InvalidInput
-from tandem.text import ByteTokenizer, HFTokenizer, expand_images, load_tokenizer
-from tandem.text import byte_tokenizer as byte_vocab
 from worker_svc.hf_config import hf_config_fields
 
 MIXED_TEXTS = [

@@ -6,7 +6,7 @@
   (Qwen2.5-Instruct's template), and the parser is told from the template.
 * End to end with the real ``openai`` client against ``tandem serve --http-listen`` on a tiny
   random Qwen2 model with Qwen2.5's template and tool tokens (over a byte vocabulary, see
-  tests/text_checkpoints.py): ``required`` and a named
+  tandem_testing/text_checkpoints.py): ``required`` and a named
   function yield parsed calls whose arguments satisfy the function's schema (the grammar
   guarantees it, whatever the weights), streamed as OpenAI streams them, ``finish_reason``
   ``tool_calls``; ``auto`` and ``none``; a conversation with calls and results; bad
@@ -27,7 +27,6 @@ import numpy as np
 import openai
 import pytest
 from hf_checkpoints import reference, save
-from text_checkpoints import qwen2_5_dir, reference_tokenizer
 
 from router_svc.server import RouterConfig
 from tandem.openai_api.http_server import HttpConfig
@@ -42,6 +41,7 @@ from tandem.structured import Constraint, GuidanceBackend
 from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
 from tandem_testing.cells import Cell, free_port, running_cell
 from tandem_testing.router import running_router
+from tandem_testing.text_checkpoints import qwen2_5_dir, reference_tokenizer
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 8},
