@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "endpoint, e.g. http://host:8000/v1")
     ap.add_argument("--label", default="endpoint", help="the --base-url endpoint's name")
     ap.add_argument("--min-tokens", action=argparse.BooleanOptionalAction, default=True,
-                    help="send min_tokens to the --base-url endpoint")
+                    help="ask for min_tokens = max_tokens where the engine takes it (off: "
+                    "every engine stops at EOS, as transformers serve always does)")
     ap.add_argument("--model", default="smollm2", help="directory (or Tandem's built-in "
                     "'tiny'); 'smollm2': SmolLM2-135M-Instruct, made once into .cache/")
     ap.add_argument("--dtype", default="float32")
@@ -150,9 +151,10 @@ def _endpoint(name: str, args: argparse.Namespace, opts: EngineOptions, workdir:
               ) -> Iterator[tuple[Endpoint, Started | None]]:
     if name in ENGINES:
         with started_engine(name, opts, workdir, args.startup_timeout) as started:
-            print(f"round: {name} serving {started.model} after {started.startup_s:.1f} s",
-                  flush=True)
-            yield Endpoint(started.base_url, started.model, started.min_tokens), started
+            ep = Endpoint(started.base_url, started.model, started.min_tokens and args.min_tokens)
+            print(f"round: {name} serving {started.model} after {started.startup_s:.1f} s, "
+                  f"{'exactly --output-len' if ep.min_tokens else 'up to EOS'}", flush=True)
+            yield ep, started
     else:
         base = args.base_url.rstrip("/")
         model = httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
