@@ -142,7 +142,7 @@ class MemoryPeak:
     its start until ``stop()``. RSS counts a page shared by two processes (a shared-memory
     segment, a forked parent's pages) twice; PSS divides it between them."""
 
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
+    def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.pid, self.interval = pid, interval
         self.rss = self.pss = 0
         self._done = threading.Event()
