@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reference", default="tandem", help="the engine the ratios are of")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--out", type=Path, help="write the JSON report here")
+    ap.add_argument("--work-dir", type=Path, help="engines' logs and segments (default: a new "
+                    "temporary directory, kept for the logs)")
     return ap.parse_args(argv)
 
 
@@ -124,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
                     "environment": env, "workload": dataclasses.asdict(workload),
                     "loads": [load.name for load in loads], "runs": [], "startups": []}
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
-        for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                with _endpoint(name, args, opts, Path(tmp, f"{name}-{r}")) as (ep, started):
-                    report["runs"] += _round(name, ep, workload, loads, r, slo, args)
-                    if started is not None:
-                        report["startups"].append(_startup_record(started, r))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    print(f"engines' logs under {work}")
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            with _endpoint(name, args, opts, work / f"{name}-{r}") as (ep, started):
+                report["runs"] += _round(name, ep, workload, loads, r, slo, args)
+                if started is not None:
+                    report["startups"].append(_startup_record(started, r))
     report["summary"] = summarize_report(report, names, args)
     print_report(report, names, args)
     if args.out:

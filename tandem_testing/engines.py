@@ -73,7 +73,10 @@ def engine_command(name: str, opts: EngineOptions, port: int, workdir: Path) -> 
         # in the CPU build; the module is the same server.
         argv = [str(opts.vllm_venv / "bin" / "python"), "-m",
                 "vllm.entrypoints.openai.api_server", "--model", opts.model, "--host", host,
-                "--port", str(port), "--dtype", opts.dtype, caching, *extra]
+                "--port", str(port), "--dtype", opts.dtype, caching,
+                # on CPU the fraction of the machine's memory it reserves (KV cache and all);
+                # its default, 0.92, refuses to start when others hold memory
+                "--gpu-memory-utilization", "0.25", *extra]
         # its CPU backend binds OpenMP threads to these cores (default: fewer than all)
         env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
@@ -126,14 +129,14 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, timeout: float, log: Path
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}):\n"
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}), see {log}:\n"
                                f"{log.read_text(errors='replace')[-4000:]}")
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"{base_url}/models", timeout=5)
             if r.status_code == 200 and r.json().get("data"):
                 return r.json()["data"][0]["id"]
         time.sleep(0.5)
-    raise TimeoutError(f"not serving after {timeout:.0f}s:\n"
+    raise TimeoutError(f"not serving after {timeout:.0f}s, see {log}:\n"
                        f"{log.read_text(errors='replace')[-4000:]}")
 
 
