@@ -79,14 +79,30 @@ class Cell:
         return spawned_children(self.proc.pid)
 
 
+def children(pid: int) -> list[int]:
+    """The live children of ``pid`` (of any of its threads), in pid order; none once it is
+    gone."""
+    pids: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                pids += [int(c) for c in (task / "children").read_text().split()]
+    return sorted(set(pids))
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (an engine's workers and their helpers)."""
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children(out[-1])
+    return out
+
+
 def spawned_children(pid: int) -> list[int]:
     """Children of ``pid`` started by multiprocessing's spawn (workers), in pid order."""
-    pids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            pids += [int(c) for c in (task / "children").read_text().split()]
     out = []
-    for child in sorted(set(pids)):
+    for child in children(pid):
         with contextlib.suppress(FileNotFoundError):
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 out.append(child)

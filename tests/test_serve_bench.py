@@ -1,0 +1,44 @@
+"""bench/serve.py end to end, shortened: it starts a real ``tandem serve`` (the built-in
+``tiny`` model), sends a few streamed chat requests with images at fixed concurrency and
+at a Poisson rate, stops it, and writes its JSON report; the report's counts, per-request
+timings and the engine's startup figures are checked (no timing thresholds: this machine's
+speed is not the test's subject)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_bench_reports_every_request(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    prompts, tokens = 3, 4
+    subprocess.run(
+        [sys.executable, "bench/serve.py", "--engines", "tandem", "--model", "tiny",
+         "--workload", "image-new-prefix", "--num-prompts", str(prompts), "--input-len", "8",
+         "--output-len", str(tokens), "--concurrency", "2", "--request-rate", "50",
+         "--rounds", "1", "--warmup", "1", "--slo-ttft-ms", "600000", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["loads"] == ["2 clients", "50 req/s"]
+    assert [(run["engine"], run["load"]) for run in report["runs"]] == [
+        ("tandem", "2 clients"), ("tandem", "50 req/s")]
+    for run in report["runs"]:
+        s = run["summary"]
+        assert (s["completed"], s["failed"]) == (prompts, 0)
+        # min_tokens = max_tokens: exactly the tokens asked for, EOS or not
+        assert s["total_output_tokens"] == prompts * tokens
+        assert s["output_throughput"] > 0 and s["request_throughput"] > 0
+        assert s["request_goodput"] == s["request_throughput"]  # a 10-minute TTFT SLO
+        assert s["total_input_tokens"] > 0 and s["p50_tpot_ms"] > 0
+        for r in run["requests"]:
+            assert r["ok"] and r["error"] == ""
+            assert 0 < r["ttft"] <= r["latency"] and r["output_tokens"] == tokens
+    (startup,) = report["startups"]
+    assert startup["startup_s"] > 0
+    assert startup["peak_rss_bytes"] >= startup["peak_pss_bytes"] > 0
+    assert set(report["summary"]["medians"]) == {"tandem | 2 clients", "tandem | 50 req/s"}
