@@ -122,65 +122,71 @@ def test_health_port_serves_health_and_refuses_the_worker_api(tmp_path: Path) ->
     asyncio.run(_health_port_scenario(tmp_path))
 
 
-async def _steps_scenario(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _worker_stub(tmp_path: Path) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
+    """A warmed-up worker on ``tmp_path``'s cell directory, and a stub on its socket."""
     config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
                           kv_cache_bytes=32 << 20)
     worker = await create_server(config)
     try:
         await worker.warmup
         async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            tokens = [BOS_ID] + [ord("a") + i for i in range(20)]
-
-            def prefill(step_id: int, rid: str) -> worker_pb2.StepsRequest:
-                req = NewRequestData(rid, tokens, len(tokens), [], SamplingParams(), [0, 1], 0)
-                return worker_pb2.StepsRequest(step=step_to_proto(StepInput(
-                    step_id, new_requests=[req], num_scheduled_tokens={rid: len(tokens)})))
-
-            def decode(step_id: int, rid: str, computed: int) -> worker_pb2.StepsRequest:
-                msg = step_to_proto(StepInput(step_id, num_scheduled_tokens={rid: 1}))
-                msg.cached_requests.add(request_id=rid, num_computed_tokens=computed)
-                return worker_pb2.StepsRequest(step=msg)
-
-            # Three steps written before any answer: the decodes take the sampled token
-            # from the step before them, on the worker.
-            call = stub.Steps()
-            for msg in (prefill(1, "a"), decode(2, "a", 21), decode(3, "a", 22)):
-                await call.write(msg)
-            answers = [await call.read() for _ in range(3)]
-            assert [a.step_id for a in answers] == [1, 2, 3]
-            assert [a.WhichOneof("outcome") for a in answers] == ["done"] * 3
-            assert all(len(a.done.sampled["a"].token_ids) == 1 for a in answers)
-            # A step the worker refuses (it counts 23 computed tokens, not 30) is answered
-            # with its error; the step written behind it is not run, the stream stays open.
-            for msg in (decode(4, "a", 30), decode(5, "a", 23)):
-                await call.write(msg)
-            refused, behind = await call.read(), await call.read()
-            assert refused.WhichOneof("outcome") == "error"
-            assert (refused.error.code, refused.error.reason) == (
-                grpc.StatusCode.FAILED_PRECONDITION.value[0], "COMPUTED_MISMATCH")
-            assert behind.step_id == 5 and behind.not_run
-            await call.done_writing()
-            assert await call.read() == grpc.aio.EOF
-            # A new stream: step 5 runs now, on the state the refused step left alone.
-            call = stub.Steps()
-            await call.write(decode(5, "a", 23))
-            assert (await call.read()).WhichOneof("outcome") == "done"
-            # A step that cannot even be decoded is answered the same way, in its turn.
-            bad = prefill(6, "b")
-            field = bad.step.new_requests[0].features.add(
-                identifier="x", modality="image", offset=1, length=1).item.fields.add(
-                name="pixel_values")
-            field.tensor.dtype = "complex7"
-            for msg in (bad, decode(7, "a", 24)):
-                await call.write(msg)
-            undecodable, behind = await call.read(), await call.read()
-            assert (undecodable.step_id, undecodable.error.code) == (
-                6, grpc.StatusCode.INVALID_ARGUMENT.value[0])
-            assert "complex7" in undecodable.error.message and behind.not_run
-            call.cancel()
+            yield worker_pb2_grpc.WorkerStub(channel)
     finally:
         await shutdown(worker)
+
+
+async def _steps_scenario(tmp_path: Path) -> None:
+    async with _worker_stub(tmp_path) as stub:
+        tokens = [BOS_ID] + [ord("a") + i for i in range(20)]
+
+        def prefill(step_id: int, rid: str) -> worker_pb2.StepsRequest:
+            req = NewRequestData(rid, tokens, len(tokens), [], SamplingParams(), [0, 1], 0)
+            return worker_pb2.StepsRequest(step=step_to_proto(StepInput(
+                step_id, new_requests=[req], num_scheduled_tokens={rid: len(tokens)})))
+
+        def decode(step_id: int, rid: str, computed: int) -> worker_pb2.StepsRequest:
+            msg = step_to_proto(StepInput(step_id, num_scheduled_tokens={rid: 1}))
+            msg.cached_requests.add(request_id=rid, num_computed_tokens=computed)
+            return worker_pb2.StepsRequest(step=msg)
+
+        # Three steps written before any answer: the decodes take the sampled token
+        # from the step before them, on the worker.
+        call = stub.Steps()
+        for msg in (prefill(1, "a"), decode(2, "a", 21), decode(3, "a", 22)):
+            await call.write(msg)
+        answers = [await call.read() for _ in range(3)]
+        assert [a.step_id for a in answers] == [1, 2, 3]
+        assert [a.WhichOneof("outcome") for a in answers] == ["done"] * 3
+        assert all(len(a.done.sampled["a"].token_ids) == 1 for a in answers)
+        # A step the worker refuses (it counts 23 computed tokens, not 30) is answered
+        # with its error; the step written behind it is not run, the stream stays open.
+        for msg in (decode(4, "a", 30), decode(5, "a", 23)):
+            await call.write(msg)
+        refused, behind = await call.read(), await call.read()
+        assert refused.WhichOneof("outcome") == "error"
+        assert (refused.error.code, refused.error.reason) == (
+            grpc.StatusCode.FAILED_PRECONDITION.value[0], "COMPUTED_MISMATCH")
+        assert behind.step_id == 5 and behind.not_run
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        # A new stream: step 5 runs now, on the state the refused step left alone.
+        call = stub.Steps()
+        await call.write(decode(5, "a", 23))
+        assert (await call.read()).WhichOneof("outcome") == "done"
+        # A step that cannot even be decoded is answered the same way, in its turn.
+        bad = prefill(6, "b")
+        field = bad.step.new_requests[0].features.add(
+            identifier="x", modality="image", offset=1, length=1).item.fields.add(
+            name="pixel_values")
+        field.tensor.dtype = "complex7"
+        for msg in (bad, decode(7, "a", 24)):
+            await call.write(msg)
+        undecodable, behind = await call.read(), await call.read()
+        assert (undecodable.step_id, undecodable.error.code) == (
+            6, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        assert "complex7" in undecodable.error.message and behind.not_run
+        call.cancel()
 
 
 def test_steps_stream_runs_in_order_and_stops_at_a_failed_step(tmp_path: Path) -> None:
@@ -191,40 +197,32 @@ def test_steps_stream_runs_in_order_and_stops_at_a_failed_step(tmp_path: Path) -
 
 
 async def _deferred_masks_scenario(tmp_path: Path) -> None:
-    config = WorkerConfig(shm_dir=str(tmp_path / "cell"), block_size=16,
-                          kv_cache_bytes=32 << 20)
-    worker = await create_server(config)
-    try:
-        await worker.warmup
-        async with grpc.aio.insecure_channel(worker.addresses[0]) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            tokens = [BOS_ID, ord("a"), ord("b")]
-            only_z = (1 << (ord("z") % 32)).to_bytes(4, "little")
-            only_z = bytes(4 * (ord("z") // 32)) + only_z  # the words before z's are 0
-            msg = step_to_proto(StepInput(1, new_requests=[NewRequestData(
-                "a", tokens, 3, [], SamplingParams(), [0], 0)], num_scheduled_tokens={"a": 3}))
-            msg.deferred_mask_ids.append("a")
-            with pytest.raises(grpc.aio.AioRpcError) as unary:  # no stream, no masks to come
-                await stub.Step(msg, timeout=30)
-            assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            call = stub.Steps()
-            await call.write(worker_pb2.StepsRequest(step=msg))
-            await call.write(worker_pb2.StepsRequest(masks=worker_pb2.StepMasks(
-                step_id=1, token_masks={"a": only_z})))
-            answer = await asyncio.wait_for(call.read(), 30)
-            assert list(answer.done.sampled["a"].token_ids) == [ord("z")]
-            # The scheduler leaves without sending a step's masks: the step fails (not a
-            # refusal: the worker had committed to it) and nothing waits for good.
-            decode = step_to_proto(StepInput(2, num_scheduled_tokens={"a": 1}))
-            decode.cached_requests.add(request_id="a", num_computed_tokens=3)
-            decode.deferred_mask_ids.append("a")
-            await call.write(worker_pb2.StepsRequest(step=decode))
-            await call.done_writing()
-            failed = await asyncio.wait_for(call.read(), 30)
-            assert (failed.error.code, failed.error.reason) == (
-                grpc.StatusCode.UNAVAILABLE.value[0], "MASKS_NOT_SENT")
-    finally:
-        await shutdown(worker)
+    async with _worker_stub(tmp_path) as stub:
+        tokens = [BOS_ID, ord("a"), ord("b")]
+        only_z = (1 << (ord("z") % 32)).to_bytes(4, "little")
+        only_z = bytes(4 * (ord("z") // 32)) + only_z  # the words before z's are 0
+        msg = step_to_proto(StepInput(1, new_requests=[NewRequestData(
+            "a", tokens, 3, [], SamplingParams(), [0], 0)], num_scheduled_tokens={"a": 3}))
+        msg.deferred_mask_ids.append("a")
+        with pytest.raises(grpc.aio.AioRpcError) as unary:  # no stream, no masks to come
+            await stub.Step(msg, timeout=30)
+        assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        call = stub.Steps()
+        await call.write(worker_pb2.StepsRequest(step=msg))
+        await call.write(worker_pb2.StepsRequest(masks=worker_pb2.StepMasks(
+            step_id=1, token_masks={"a": only_z})))
+        answer = await asyncio.wait_for(call.read(), 30)
+        assert list(answer.done.sampled["a"].token_ids) == [ord("z")]
+        # The scheduler leaves without sending a step's masks: the step fails (not a
+        # refusal: the worker had committed to it) and nothing waits for good.
+        decode = step_to_proto(StepInput(2, num_scheduled_tokens={"a": 1}))
+        decode.cached_requests.add(request_id="a", num_computed_tokens=3)
+        decode.deferred_mask_ids.append("a")
+        await call.write(worker_pb2.StepsRequest(step=decode))
+        await call.done_writing()
+        failed = await asyncio.wait_for(call.read(), 30)
+        assert (failed.error.code, failed.error.reason) == (
+            grpc.StatusCode.UNAVAILABLE.value[0], "MASKS_NOT_SENT")
 
 
 def test_deferred_token_masks_are_waited_for_until_they_come_or_the_stream_ends(
