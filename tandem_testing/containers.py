@@ -159,11 +159,6 @@ def build_image(target: str, tag: str, base: str, workdir: Path) -> str:
     return tag
 
 
-def image_size(tag: str) -> int:
-    """The image's size in bytes, as podman counts it (all layers, uncompressed)."""
-    return int(podman("image", "inspect", "--format", "{{.Size}}", tag).stdout)
-
-
 @dataclass
 class Node:
     """One machine's worth of pods: a bridge network with an address per pod, host names for
@@ -220,8 +215,9 @@ def _volume_args(node: Node, pod_name: str, volumes: Mapping[str, Mapping[str, A
 
 
 def run_args(node: Node, pod_name: str, pod: Mapping[str, Any], container: Mapping[str, Any],
-             env: Mapping[str, str]) -> list[str]:
-    """``podman run`` arguments for one container of a rendered pod (image and args last)."""
+             config_maps: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """``podman run`` arguments for one container of a rendered pod (image and args last),
+    its environment as the kubelet builds it from ``config_maps`` (:func:`pods.pod_env`)."""
     spec = pod["spec"]
     security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
     user, group = security.get("runAsUser"), security.get("runAsGroup")
@@ -251,7 +247,7 @@ def run_args(node: Node, pod_name: str, pod: Mapping[str, Any], container: Mappi
     volumes = {v["name"]: v for v in spec.get("volumes", ())}
     for mount in container.get("volumeMounts", ()):
         args += _volume_args(node, pod_name, volumes, mount)
-    for key, value in env.items():
+    for key, value in pods.pod_env(container, config_maps, pod, pod_name, node.network).items():
         args += ["--env", f"{key}={value}"]
     if "command" in container:
         args += ["--entrypoint", json.dumps(container["command"])]
@@ -268,22 +264,27 @@ class PodRun:
     rendered: Mapping[str, Any]
 
 
+def _run_to_exit(node: Node, pod_name: str, pod: Mapping[str, Any],
+                 container: Mapping[str, Any], config_maps: Mapping[str, Mapping[str, str]],
+                 timeout: float) -> subprocess.CompletedProcess[str]:
+    """One container of the pod in the foreground, removed once it exits."""
+    return podman("run", "--rm", *run_args(node, pod_name, pod, container, config_maps),
+                  check=False, timeout=timeout)
+
+
 def run_pod(node: Node, pod_name: str, pod: Mapping[str, Any],
             config_maps: Mapping[str, Mapping[str, str]]) -> PodRun:
     """Start a rendered pod as the kubelet would: each init container to completion, in
     order (a failure raises with its output), then the containers, detached."""
     spec = pod["spec"]
-    started = {}
     for init in spec.get("initContainers", ()):
-        env = pods.pod_env(init, config_maps, pod, pod_name, node.network)
-        done = podman("run", "--rm", *run_args(node, pod_name, pod, init, env), check=False,
-                      timeout=300)
+        done = _run_to_exit(node, pod_name, pod, init, config_maps, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"init container {init['name']} of {pod_name} failed "
                                f"({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    started = {}
     for container in spec["containers"]:
-        env = pods.pod_env(container, config_maps, pod, pod_name, node.network)
-        podman("run", "--detach", *run_args(node, pod_name, pod, container, env))
+        podman("run", "--detach", *run_args(node, pod_name, pod, container, config_maps))
         started[container["name"]] = f"{pod_name}-{container['name']}"
     return PodRun(pod_name, node.address(pod_name), started, pod)
 
@@ -298,9 +299,7 @@ def run_to_end(node: Node, pod_name: str, pod: Mapping[str, Any],
     spec = pod["spec"]
     results = {}
     for container in [*spec.get("initContainers", ()), *spec["containers"]]:
-        env = pods.pod_env(container, config_maps or {}, pod, pod_name, node.network)
-        result = podman("run", "--rm", *run_args(node, pod_name, pod, container, env),
-                        check=False, timeout=timeout)
+        result = _run_to_exit(node, pod_name, pod, container, config_maps or {}, timeout)
         results[container["name"]] = result
         if result.returncode != 0:
             break

@@ -30,6 +30,7 @@ from tandem_operator.manifests import (
     SCHEDULER_METRICS_PORT,
     WORKER_METRICS_PORT,
     build_configmap,
+    cell_dir,
     child_name,
     generation_dir,
     pod_dns,
@@ -93,8 +94,7 @@ class RunningCell:
         config = build_configmap(spec, cell)
         self.config_maps = {config["metadata"]["name"]: config["data"]}
         self.pods: dict[str, containers.PodRun] = {}
-        self.host_dir = Path(spec.cache.host_root, f"{spec.namespace}.{spec.name}.{cell.index}",
-                             generation_dir(cell.generation))
+        self.host_dir = Path(cell_dir(spec, cell.index), generation_dir(cell.generation))
 
     def pod_name(self, component: str, ordinal: int = 0) -> str:
         kind = "workers" if component == "worker" else "scheduler"

@@ -33,7 +33,14 @@ from worker_svc.sampler import (
     token_seed,
     unpack_token_masks,
 )
-from worker_svc.step import Logprobs, NewRequestData, SamplingParams, StepInput, StepOutput
+from worker_svc.step import (
+    Logprobs,
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+    StepOutput,
+    is_token_mask,
+)
 from worker_svc.synthetic import synthetic_image
 from worker_svc.tensor_parallel import TensorParallelGroup
 
@@ -148,7 +155,7 @@ class StepRunner:
         self._validate_encoder_inputs(step, scheduled)
         deferred = step.deferred_masks.request_ids if step.deferred_masks is not None else ()
         bad_masks = [rid for rid, m in step.token_masks.items()
-                     if rid not in scheduled or not m or len(m) % 4 or rid in deferred]
+                     if rid not in scheduled or not is_token_mask(m) or rid in deferred]
         bad_masks += [rid for rid in deferred if rid not in scheduled]
         if bad_masks:
             raise InvalidInput(f"token masks of {sorted(bad_masks)[:4]}: not scheduled, given "

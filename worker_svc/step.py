@@ -64,6 +64,11 @@ class CachedRequestData:
     num_computed_tokens: int  # must equal the worker's own count
 
 
+def is_token_mask(mask: bytes) -> bool:
+    """A token mask as ``StepInput.token_masks`` holds them: whole int32 words, at least one."""
+    return bool(mask) and len(mask) % 4 == 0
+
+
 class DeferredMasks:
     """Token masks that come after their step (``deferred_mask_ids``, then a ``StepMasks``
     on the same stream): the stream's reader delivers them, the step thread waits for them
@@ -92,8 +97,8 @@ class DeferredMasks:
         if self._masks is None:
             raise Unavailable("the step stream ended before the step's token masks came",
                               reason="MASKS_NOT_SENT")
-        if self._masks.keys() != self.request_ids or any(
-                not m or len(m) % 4 for m in self._masks.values()):
+        if self._masks.keys() != self.request_ids or not all(
+                map(is_token_mask, self._masks.values())):
             # NOTE: past the step's commit point, so not a refusal (which would tell the
             # scheduler nothing changed here): an internal error, the worker counts as lost.
             raise TandemError("the deferred token masks do not match the step's "
