@@ -136,19 +136,21 @@ async def _complete(request: Request, backend: Backend,
         return _error_response(exc)
     except Exception as exc:
         return _error_response(exc)
-    parser = (convert.tool_parser(body, info.tool_call_parser)
-              if isinstance(body, schema.ChatCompletionRequest) else None)
+    parser, max_calls = ((convert.tool_parser(body, info.tool_call_parser),
+                          convert.max_tool_calls(body))
+                         if isinstance(body, schema.ChatCompletionRequest) else (None, None))
     if not body.stream:
         meta = convert.ResponseMeta.new(prefix, msgs[0].request_id, info.model_id)
-        answer: BaseModel = (convert.chat_completion(msgs, meta, with_logprobs, parser) if chat
-                             else convert.completion(msgs, meta, with_logprobs))
+        answer: BaseModel = (
+            convert.chat_completion(msgs, meta, with_logprobs, parser, max_calls) if chat
+            else convert.completion(msgs, meta, with_logprobs))
         return JSONResponse(schema.dump(answer),
                             headers={REQUEST_ID_HEADER: msgs[0].request_id})
     meta = convert.ResponseMeta.new(prefix, first.request_id, info.model_id)
     usage = body.stream_options is not None and body.stream_options.include_usage
     responses = _prepend(first, stream)
     chunks: AsyncIterator[BaseModel] = (
-        convert.chat_chunks(responses, meta, with_logprobs, usage, parser) if chat
+        convert.chat_chunks(responses, meta, with_logprobs, usage, parser, max_calls) if chat
         else convert.completion_chunks(responses, meta, with_logprobs, usage))
     return StreamingResponse(_events(chunks, stream), media_type="text/event-stream",
                              headers={REQUEST_ID_HEADER: first.request_id,
