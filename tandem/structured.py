@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from typing import Literal, Protocol
 import llguidance
 import numpy as np
 
+from tandem.cpus import usable_cpus
 from tandem.errors import BadConstraint
 from tandem.text import Tokenizer
 from tandem.v1 import generate_pb2
@@ -174,7 +174,7 @@ def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
     machine; the library's pool then has a single thread, and handing it work costs).
     ``bench/structured_output.py`` prints both ways for the machine it runs on.
     """
-    if (len(matchers) < 2 or len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_PARALLEL_MASKS
+    if (len(matchers) < 2 or usable_cpus() < MIN_CPUS_FOR_PARALLEL_MASKS
             or not all(isinstance(m, _GuidanceMatcher) for m in matchers)):
         return [m.allowed_mask() for m in matchers]
     return fill_together(matchers)
