@@ -25,6 +25,12 @@ GENERATION = "tandem.dev/segment-generation"
 NODE = "tandem.dev/node"  # on StatefulSets: the node their cell was placed on
 CELL_LABEL = "tandem.dev/cell"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# On the schedulers' pods: which metric names an endpoint picker of the Gateway API Inference
+# Extension (and llm-d's, which renamed the key) reads. The schedulers export the model-server
+# protocol's gauges under vLLM's names (tandem.metrics), so the value names that dialect; it is
+# also what a picker assumes without the label.
+ENGINE_TYPE_LABELS = {"inference.networking.k8s.io/engine-type": "vllm",
+                      "llm-d.ai/engine-type": "vllm"}
 
 
 def child_name(spec: TandemSpec, cell: int, role: str) -> str:

@@ -23,6 +23,17 @@ from tandem_operator.conditions import (
     observe_cell,
     render_conditions,
 )
+from tandem_operator.gateway import (
+    GRPC_POOL,
+    HTTP_POOL,
+    build_epp_configmap,
+    build_epp_deployment,
+    build_epp_service,
+    build_inference_pool,
+    epp_name,
+    pool_name,
+    pools,
+)
 from tandem_operator.kube import KubeApi, Rejected
 from tandem_operator.manifests import (
     CELL_LABEL,
@@ -54,14 +65,15 @@ from tandem_operator.workloads import build_pod_template, build_statefulset
 @dataclass(frozen=True)
 class Front:
     """What clients reach: whether the Service points at the router, and the cells the
-    router lists (none without a router)."""
+    router or the endpoint picker lists (none without either)."""
 
     routed: bool
     cells: tuple[int, ...]
 
     @classmethod
     def wanted(cls, spec: TandemSpec, cells: Sequence[Cell]) -> Front:
-        return cls(True, tuple(c.index for c in cells)) if spec.routed else cls(False, ())
+        listed = tuple(c.index for c in cells) if spec.routed or spec.routing.picked else ()
+        return cls(spec.routed, listed)
 
 
 @dataclass
@@ -200,7 +212,9 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
 
 async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
                          cells: Sequence[Cell]) -> Front:
-    """Apply the Services, and the router when `spec.routed`; return the Front applied.
+    """Apply the Services, the router when `spec.routed`, the endpoint picker and the
+    InferencePools of gateway routing; delete what the routing mode does not use. Return the
+    Front applied.
 
     The Service moves to the router only once a router pod is available (until then it keeps
     balancing over the schedulers), and back to the schedulers before the router is deleted.
@@ -213,15 +227,39 @@ async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
             await kube.apply(obj)
         routed = router_available(await kube.read("Deployment", spec.namespace,
                                                   router_name(spec)))
+    if spec.routing.picked:
+        picker = [build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
+                  build_epp_service(spec)]
+        kopf.adopt(picker, owner=owner)
+        for obj in picker:
+            await kube.apply(obj)
+    wanted_pools = pools(spec) if spec.routing.mode == "gateway" else []
+    for name, protocol, port in wanted_pools:
+        pool = build_inference_pool(spec, name, protocol, port)
+        kopf.adopt(pool, owner=owner)
+        await kube.apply(pool)
     objs = [build_service(spec, routed=routed), build_service(spec, headless=True),
             build_workers_service(spec)]
     kopf.adopt(objs, owner=owner)
     for obj in objs:
         await kube.apply(obj)
-    if not spec.routed:  # already gone is fine
+    await _delete_unused_routing(kube, spec, {name for name, _, _ in wanted_pools})
+    return Front(routed, Front.wanted(spec, cells).cells)
+
+
+async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: set[str]) -> None:
+    """What another routing mode (or an earlier spec) left: already gone is fine, and so is
+    an InferencePool kind the cluster does not know (404 either way)."""
+    if not spec.routed:
         await kube.delete("Deployment", spec.namespace, router_name(spec))
         await kube.delete("ConfigMap", spec.namespace, router_name(spec))
-    return Front(routed, Front.wanted(spec, cells).cells)
+    if not spec.routing.picked:
+        await kube.delete("Deployment", spec.namespace, epp_name(spec))
+        await kube.delete("ConfigMap", spec.namespace, epp_name(spec))
+        await kube.delete("Service", spec.namespace, epp_name(spec))
+    for protocol in (GRPC_POOL[0], HTTP_POOL[0]):
+        if pool_name(spec, protocol) not in kept_pools:
+            await kube.delete("InferencePool", spec.namespace, pool_name(spec, protocol))
 
 
 async def apply_front(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,

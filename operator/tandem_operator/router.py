@@ -79,12 +79,17 @@ def cell_tls_config(spec: TandemSpec) -> dict[str, str]:
 
 
 def build_router_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
-    data = router_config(spec, cells)
+    return build_settings_configmap(spec, router_name(spec), "router", router_config(spec, cells))
+
+
+def build_settings_configmap(spec: TandemSpec, name: str, component: str,
+                             data: dict[str, str]) -> dict[str, Any]:
+    """The TANDEM_* settings of a Deployment in front of the cells (router, EPP)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
-                     "labels": labels(spec, "router"),
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": labels(spec, component),
                      "annotations": {CONFIG_HASH: config_hash(data)}},
         "data": data,
     }
@@ -103,19 +108,28 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
 def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
     pod_spec = serving_pod_spec(spec, "router", [_container(spec)],
                                 [scratch_volume(), *tls_volumes(spec)[0]])
+    return build_front_deployment(spec, router_name(spec), "router", spec.router.replicas,
+                                  pod_spec, router_config(spec, cells))
+
+
+def build_front_deployment(spec: TandemSpec, name: str, component: str, replicas: int,
+                           pod_spec: dict[str, Any], config: dict[str, str]) -> dict[str, Any]:
+    """A stateless Deployment in front of the cells (router, EPP, Envoy): surge first, so
+    one replica always serves; the hash of its `config` on the pod template rolls it when
+    the config changes."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
-                     "labels": labels(spec, "router")},
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": labels(spec, component)},
         "spec": {
-            "replicas": spec.router.replicas,
-            "selector": {"matchLabels": selector_labels(spec, "router")},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(spec, component)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels(spec, "router"), "annotations": {
-                    CONFIG_HASH: config_hash(router_config(spec, cells))}},
+                "metadata": {"labels": labels(spec, component), "annotations": {
+                    CONFIG_HASH: config_hash(config)}},
                 "spec": pod_spec,
             },
         },
