@@ -9,13 +9,11 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry
-
 from router_svc.balancer import Balancer
 from router_svc.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
 from router_svc.forwarding import Forwarder
 from router_svc.http_backend import RouterBackend
-from router_svc.metrics import BalancerCollector
+from router_svc.metrics import start_metrics
 from router_svc.servicer import RouterServicer
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
@@ -110,11 +108,7 @@ async def create_router(config: RouterConfig) -> RouterServer:
             await public.stop(0)
             await pool.close()
             raise
-    metrics = None
-    if config.metrics_port:
-        registry = CollectorRegistry()
-        registry.register(BalancerCollector(balancer))
-        metrics = await MetricsEndpoint.start(registry, config.metrics_port)
+    metrics = await start_metrics(balancer, config.metrics_port) if config.metrics_port else None
     log.info("router serving %s on port %d, %s, over %d cells (%d up%s), load factor %.2f",
              SERVICE_NAME, port, tls_mode(credentials, config.tls.ca), len(config.cells),
              len(balancer.healthy), ", TLS" if cell_credentials else "", config.load_factor)
