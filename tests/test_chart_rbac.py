@@ -97,11 +97,12 @@ class KindResolver:
     def __init__(self, fn: ast.AST, builders: dict[str, str]) -> None:
         self.builders = builders
         self.bindings: dict[str, list[ast.expr]] = {}
-        for node in ast.walk(fn):
+        for node in ast.walk(fn):  # assignments first: a loop may precede them in the walk
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     self._bind(target, node.value)
-            elif isinstance(node, ast.For):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.For):
                 for element in self._elements(node.iter):
                     self._bind(node.target, element)
 

@@ -9,26 +9,35 @@ protocol, because a pool has one `appProtocol` for all its ports: h2c for `tande
 HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP knows the cells as
 the router does (every recorded cell, by its scheduler pod's DNS name), so it rolls on a
 change in the number of cells, never on placement.
+
+Standalone mode (no such gateway in the cluster): the same EPP, and an Envoy Deployment of
+the operator's in place of the router, configured by envoy.py's bootstrap builder; the
+Service moves to Envoy once it is available, as it moves to the router.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from tandem_operator.containers import (
     HEALTH_PORT,
     SCRATCH_MOUNT,
+    TERMINATION_MESSAGE_POLICY,
     ServingContainer,
     container_resources,
+    container_security,
     scratch_volume,
     serving_container,
     serving_pod_spec,
 )
+from tandem_operator.envoy import envoy_bootstrap
 from tandem_operator.manifests import (
     SCHEDULER_METRICS_PORT,
     labels,
     selector_labels,
+    service_name,
     tls_config,
     tls_volumes,
     tracing_config,
@@ -46,6 +55,8 @@ POOL_API = "inference.networking.k8s.io/v1"
 EPP_PORT = 9002  # the ext_proc port; GIE's default for an endpoint picker Service
 # The two application protocols of the cells: (pool name suffix, appProtocol).
 GRPC_POOL, HTTP_POOL = ("grpc", "kubernetes.io/h2c"), ("http", "http")
+ENVOY_DIR, ENVOY_FILE = "/etc/envoy", "envoy.json"  # Envoy reads JSON as YAML
+ENVOY_ADMIN_PORT = 9901  # on the pod's loopback only: the admin API can stop Envoy
 
 
 def epp_name(spec: TandemSpec) -> str:
@@ -85,27 +96,25 @@ def build_inference_pool(spec: TandemSpec, name: str, app_protocol: str,
 
 
 def epp_cells(spec: TandemSpec, cells: Sequence[Cell]) -> str:
-    """TANDEM_EPP_CELLS: `host:grpc_port`, with `/http_port` when the cells serve HTTP."""
+    """TANDEM_EPP_CELLS: the router's cell addresses (`host:grpc_port`), with `/http_port`
+    when the cells serve HTTP."""
     suffix = f"/{spec.http.port}" if spec.http.enabled else ""
     return ",".join(cell_address(spec, c.index) + suffix for c in cells)
 
 
 def epp_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
-    """`tandem epp`'s TANDEM_* settings (docs/configuration.md): the router's picking
-    settings under the router's names, ext_proc on EPP_PORT (TLS with the service's
-    certificate, as every public port), health on the plaintext health port."""
-    data = {
+    """`tandem epp`'s TANDEM_* settings (docs/configuration.md): the cells with both their
+    ports, the router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with
+    the service's certificate, as every public port), health on the plaintext health port."""
+    return {
         "TANDEM_EPP_CELLS": epp_cells(spec, cells),
         "TANDEM_LISTEN": f"0.0.0.0:{EPP_PORT}",
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         "TANDEM_METRICS_PORT": str(SCHEDULER_METRICS_PORT),
-        "TANDEM_ROUTER_LOAD_FACTOR": str(spec.router.load_factor),
+        "TANDEM_EPP_LOAD_FACTOR": str(spec.router.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-epp",
-    }
-    if spec.http.enabled:
-        data["TANDEM_EPP_HTTP_PORT"] = str(spec.http.port)
-    return data | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec, "EPP")
 
 
 def build_epp_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
@@ -146,3 +155,66 @@ def build_epp_service(spec: TandemSpec) -> dict[str, Any]:
                        "appProtocol": "https" if spec.tls.enabled else "kubernetes.io/h2c"}],
         },
     }
+
+
+def envoy_name(spec: TandemSpec) -> str:
+    return f"{spec.name}-envoy"
+
+
+def envoy_config(spec: TandemSpec) -> dict[str, str]:
+    """The Envoy of standalone routing: its bootstrap (envoy.py's builder) as a file.
+
+    One listener per port of the Service, so that the Service's named ports (`grpc`, `http`)
+    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service,
+    in plaintext: standalone routing is refused with spec.tls (spec.py), as the bootstrap
+    has no TLS listener. Fail-open sends requests round robin to the schedulers through the
+    headless Service, without affinity.
+    """
+    cells = service_name(spec, headless=True) + f".{spec.namespace}.svc"
+    epp = f"{epp_name(spec)}.{spec.namespace}.svc"
+    ports = [spec.scheduler.port, *([spec.http.port] if spec.http.enabled else [])]
+    bootstraps = [envoy_bootstrap(
+        listen_port=port, epp_address=epp, epp_port=EPP_PORT, admin_port=ENVOY_ADMIN_PORT,
+        failure_mode_allow=spec.routing.failure_mode == "FailOpen",
+        fallback_grpc=[(cells, spec.scheduler.port)],
+        fallback_http=[(cells, spec.http.port)] if spec.http.enabled else [])
+        for port in ports]
+    bootstrap = bootstraps[0]
+    for port, other in zip(ports[1:], bootstraps[1:], strict=True):
+        [listener] = other["static_resources"]["listeners"]
+        bootstrap["static_resources"]["listeners"].append(listener | {"name": f"tandem-{port}"})
+    return {ENVOY_FILE: json.dumps(bootstrap, indent=1, sort_keys=True)}
+
+
+def build_envoy_configmap(spec: TandemSpec) -> dict[str, Any]:
+    return build_settings_configmap(spec, envoy_name(spec), "envoy", envoy_config(spec))
+
+
+def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
+    """Envoy from its official image, as the pods' non-root user with a read-only root
+    filesystem; probed on its listener (its admin port stays on the pod's loopback)."""
+    ports = [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}]
+    if spec.http.enabled:
+        ports.append({"name": "http", "containerPort": spec.http.port, "protocol": "TCP"})
+    probe = {"tcpSocket": {"port": "grpc"}, "timeoutSeconds": 5}
+    return {
+        "name": "envoy",
+        "image": spec.routing.envoy_image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["envoy", "-c", f"{ENVOY_DIR}/{ENVOY_FILE}", "--log-level", "warning"],
+        "ports": ports,
+        "resources": container_resources(spec.routing.envoy.resources, {}),
+        "volumeMounts": [SCRATCH_MOUNT, {"name": "envoy", "mountPath": ENVOY_DIR,
+                                         "readOnly": True}],
+        "securityContext": container_security(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": probe | {"periodSeconds": 10, "failureThreshold": 6},
+    }
+
+
+def build_envoy_deployment(spec: TandemSpec) -> dict[str, Any]:
+    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}}]
+    pod_spec = serving_pod_spec(spec, "envoy", [_envoy_container(spec)], volumes)
+    return build_front_deployment(spec, envoy_name(spec), "envoy", spec.routing.envoy.replicas,
+                                  pod_spec, envoy_config(spec))

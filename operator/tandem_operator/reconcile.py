@@ -8,7 +8,7 @@ KubeApi, and everything kopf-specific (errors, events, adoption) stays visible h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +26,13 @@ from tandem_operator.conditions import (
 from tandem_operator.gateway import (
     GRPC_POOL,
     HTTP_POOL,
+    build_envoy_configmap,
+    build_envoy_deployment,
     build_epp_configmap,
     build_epp_deployment,
     build_epp_service,
     build_inference_pool,
+    envoy_name,
     epp_name,
     pool_name,
     pools,
@@ -55,25 +58,29 @@ from tandem_operator.placement import INSTANCE_LABEL, Cell, NodeInfo, PodLoad, p
 from tandem_operator.router import (
     build_router_configmap,
     build_router_deployment,
-    router_available,
+    front_available,
     router_name,
 )
 from tandem_operator.spec import TandemSpec
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
+# The Deployment of each component a Service may front the cells with (TandemSpec.front).
+FRONT_NAMES: dict[str, Callable[[TandemSpec], str]] = {"router": router_name,
+                                                        "envoy": envoy_name}
+
 
 @dataclass(frozen=True)
 class Front:
-    """What clients reach: whether the Service points at the router, and the cells the
-    router or the endpoint picker lists (none without either)."""
+    """What clients reach: the component the Service points at (TandemSpec.front), and the
+    cells the router or the endpoint picker lists (none without either)."""
 
-    routed: bool
+    target: str
     cells: tuple[int, ...]
 
     @classmethod
     def wanted(cls, spec: TandemSpec, cells: Sequence[Cell]) -> Front:
         listed = tuple(c.index for c in cells) if spec.routed or spec.routing.picked else ()
-        return cls(spec.routed, listed)
+        return cls(spec.front, listed)
 
 
 @dataclass
@@ -212,39 +219,41 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
 
 async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
                          cells: Sequence[Cell]) -> Front:
-    """Apply the Services, the router when `spec.routed`, the endpoint picker and the
-    InferencePools of gateway routing; delete what the routing mode does not use. Return the
-    Front applied.
+    """Apply the Services and what the routing mode runs in front of the cells (the router,
+    the endpoint picker with InferencePools or with Envoy); delete what it does not run.
+    Return the Front applied.
 
-    The Service moves to the router only once a router pod is available (until then it keeps
-    balancing over the schedulers), and back to the schedulers before the router is deleted.
+    The Service moves to the router (or Envoy) only once one of its pods is available (until
+    then it keeps balancing over the schedulers), and back to the schedulers before it is
+    deleted.
     """
-    routed = False
+    front: list[dict[str, Any]] = []
     if spec.routed:
-        router = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
-        kopf.adopt(router, owner=owner)
-        for obj in router:
-            await kube.apply(obj)
-        routed = router_available(await kube.read("Deployment", spec.namespace,
-                                                  router_name(spec)))
+        front = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
     if spec.routing.picked:
-        picker = [build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
-                  build_epp_service(spec)]
-        kopf.adopt(picker, owner=owner)
-        for obj in picker:
-            await kube.apply(obj)
+        front = [build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
+                 build_epp_service(spec)]
+    if spec.front == "envoy":
+        front = [*front, build_envoy_configmap(spec), build_envoy_deployment(spec)]
+    kopf.adopt(front, owner=owner)
+    for obj in front:
+        await kube.apply(obj)
     wanted_pools = pools(spec) if spec.routing.mode == "gateway" else []
     for name, protocol, port in wanted_pools:
         pool = build_inference_pool(spec, name, protocol, port)
         kopf.adopt(pool, owner=owner)
         await kube.apply(pool)
-    objs = [build_service(spec, routed=routed), build_service(spec, headless=True),
+    target = "scheduler"
+    if spec.front != "scheduler" and front_available(await kube.read(
+            "Deployment", spec.namespace, FRONT_NAMES[spec.front](spec))):
+        target = spec.front
+    objs = [build_service(spec, front=target), build_service(spec, headless=True),
             build_workers_service(spec)]
     kopf.adopt(objs, owner=owner)
     for obj in objs:
         await kube.apply(obj)
     await _delete_unused_routing(kube, spec, {name for name, _, _ in wanted_pools})
-    return Front(routed, Front.wanted(spec, cells).cells)
+    return Front(target, Front.wanted(spec, cells).cells)
 
 
 async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: set[str]) -> None:
@@ -253,6 +262,9 @@ async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: se
     if not spec.routed:
         await kube.delete("Deployment", spec.namespace, router_name(spec))
         await kube.delete("ConfigMap", spec.namespace, router_name(spec))
+    if spec.front != "envoy":
+        await kube.delete("Deployment", spec.namespace, envoy_name(spec))
+        await kube.delete("ConfigMap", spec.namespace, envoy_name(spec))
     if not spec.routing.picked:
         await kube.delete("Deployment", spec.namespace, epp_name(spec))
         await kube.delete("ConfigMap", spec.namespace, epp_name(spec))

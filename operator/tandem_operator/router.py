@@ -65,16 +65,17 @@ def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec) | http_config(spec)
 
 
-def cell_tls_config(spec: TandemSpec) -> dict[str, str]:
-    """How the router reaches TLS cells: it trusts the CA of their certificate (the Secret's
-    `ca.crt`) and, when they ask for client certificates, presents that same certificate
-    (the cells' client CA must have signed it)."""
+def cell_tls_config(spec: TandemSpec, prefix: str = "ROUTER") -> dict[str, str]:
+    """How the router (or, with `prefix` EPP, the endpoint picker: they share these flags
+    under their own TANDEM_<prefix>_* names) reaches TLS cells: it trusts the CA of their
+    certificate (the Secret's `ca.crt`) and, when they ask for client certificates, presents
+    that same certificate (the cells' client CA must have signed it)."""
     if not spec.tls.enabled:
         return {}
-    data = {"TANDEM_ROUTER_CELL_TLS_CA": f"{TLS_DIR}/ca.crt"}
+    data = {f"TANDEM_{prefix}_CELL_TLS_CA": f"{TLS_DIR}/ca.crt"}
     if spec.tls.client_ca_secret_name:
-        data |= {"TANDEM_ROUTER_CELL_TLS_CERT": f"{TLS_DIR}/tls.crt",
-                 "TANDEM_ROUTER_CELL_TLS_KEY": f"{TLS_DIR}/tls.key"}
+        data |= {f"TANDEM_{prefix}_CELL_TLS_CERT": f"{TLS_DIR}/tls.crt",
+                 f"TANDEM_{prefix}_CELL_TLS_KEY": f"{TLS_DIR}/tls.key"}
     return data
 
 
@@ -136,8 +137,8 @@ def build_front_deployment(spec: TandemSpec, name: str, component: str, replicas
     }
 
 
-def router_available(deployment: Mapping[str, Any] | None) -> bool:
-    """Whether a router pod is Ready to take the Service's traffic (during a roll the old
-    replicas still count: surge-first keeps one available)."""
+def front_available(deployment: Mapping[str, Any] | None) -> bool:
+    """Whether a pod of a front Deployment (router, Envoy) is Ready to take the Service's
+    traffic (during a roll the old replicas still count: surge-first keeps one available)."""
     status = (deployment or {}).get("status") or {}
     return int(status.get("availableReplicas") or 0) > 0

@@ -235,6 +235,14 @@ class TandemSpec:
         choose from."""
         return self.routing.mode == "router" and self.router.enabled and self.cells > 1
 
+    @property
+    def front(self) -> str:
+        """The component clients reach through the Service, once it is available: the
+        router, standalone routing's Envoy, or the schedulers themselves."""
+        if self.routed:
+            return "router"
+        return "envoy" if self.routing.mode == "standalone" else "scheduler"
+
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
     """`<repository>:<tag>`, with `-cuda` on the tag for workers that will run on CUDA.
@@ -403,6 +411,10 @@ def _check_rules(s: TandemSpec) -> None:
                         "multiple of worker.tensorParallelSize "
                         f"({s.worker.tensor_parallel_size}): each group of that many workers "
                         "shares one copy of the model")
+    if s.routing.mode == "standalone" and s.tls.enabled:
+        raise SpecError("routing.mode standalone serves plaintext: its Envoy has no TLS "
+                        "listener, and tls.secretName asks for TLS on the Service; use "
+                        "routing.mode router, or gateway with the gateway's TLS")
     if s.tls.client_ca_secret_name and not s.tls.enabled:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")
