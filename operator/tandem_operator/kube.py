@@ -149,7 +149,11 @@ class KubeApi:
 
     def _delete(self, kind: str, namespace: str, name: str) -> None:
         try:
-            self._method("delete", kind)(name, namespace, propagation_policy="Background")
+            # The answer is not read (nothing needs it): its shape differs by kind and server
+            # (a Status where the typed client expects the deleted Service), and the typed
+            # client fails to deserialize what it does not expect.
+            self._method("delete", kind)(name, namespace, propagation_policy="Background",
+                                         _preload_content=False)
         except ApiException as e:
             if e.status != 404:
                 raise _rejected(e, f"deleting {kind} {namespace}/{name}") from e
