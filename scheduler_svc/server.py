@@ -99,7 +99,8 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
         if config.http.listen:  # bound before the workers answer, as gRPC is: 503 until then
             http = await HttpServer.start(EngineBackend(engine, latency), config.http,
-                                          config.tls, max_http_body_bytes(max_message))
+                                          config.tls, max_http_body_bytes(max_message),
+                                          registry)
         await engine.start()
         metrics = (None if registry is None
                    else await MetricsEndpoint.start(registry, config.metrics_port))

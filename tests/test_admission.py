@@ -86,8 +86,12 @@ class BoundedCell:
 
     def model_server_metrics(self) -> tuple[float, float, float]:
         """The inference extension's gauges (vLLM names): running, waiting, KV use; checked
-        against CacheStats, with the cache config an endpoint picker reads."""
+        against CacheStats, with the cache config an endpoint picker reads, and the same on
+        the HTTP port's /metrics (where a picker scrapes a pool's target port)."""
         stats, m = self.cell.stats(), scrape(self.metrics)
+        on_http = scrape(int(self.url.rsplit(":", 1)[1]))
+        assert {k: v for k, v in on_http.items() if k.startswith("vllm:")} == {
+            k: v for k, v in m.items() if k.startswith("vllm:")}
         total, free = stats.kv_blocks_total, stats.kv_blocks_free
         assert m["vllm:kv_cache_usage_perc"] == pytest.approx((total - free) / total)
         assert m[f"vllm:cache_config_info{{block_size=16,num_gpu_blocks={total}}}"] == 1
