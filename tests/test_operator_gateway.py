@@ -18,7 +18,13 @@ import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.cel import rule_failures
 from kube_emulator.fixtures import CRD_PATH, REPO, tandem_spec
-from kube_emulator.schema import load_crd, validation_errors, version_schema
+from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
+from test_chart_harness import (
+    NAMESPACE,
+    helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
+    one,
+    render,
+)
 
 from tandem_cli import cli
 from tandem_cli.gateway import envoy_binary
@@ -37,7 +43,7 @@ from tandem_operator.manifests import HEALTH_PORT
 from tandem_operator.placement import Cell
 from tandem_operator.reconcile import Front, apply_services
 from tandem_operator.router import router_config
-from tandem_operator.spec import SpecError
+from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.workloads import build_pod_template
 
 GIE_CRD = REPO / "tests" / "data" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
@@ -75,6 +81,23 @@ def test_every_rendered_pool_validates_against_the_gie_v1_crd(patch: dict[str, A
                    {**pool, "spec": {**pool["spec"], "targetPorts": []}},
                    {**pool, "spec": {**pool["spec"], "appProtocol": "grpc"}}):
         assert pool_problems(broken)
+
+
+def test_the_charts_gateway_values_reach_the_pools_and_the_epp(helm: dict) -> None:
+    """`service.routing` through `helm template` and the CRD's defaults to what the operator
+    renders: valid pools and a picker with the chart's replicas."""
+    objects = render("helm4", (), ("service.cells=2", 'service.routing.mode="gateway"',
+                                   'service.routing.failureMode="FailOpen"',
+                                   "service.routing.epp.replicas=2"))
+    service = one(objects, "TandemService")
+    apply_defaults(load_crd(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"],
+                   service)
+    spec = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
+    assert not spec.routed and spec.routing.picked
+    for pool in all_pools(spec):
+        assert pool_problems(pool) == []
+        assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert build_epp_deployment(spec, CELLS[:2])["spec"]["replicas"] == 2
 
 
 def test_one_pool_per_protocol_selects_the_schedulers_and_names_the_epp() -> None:
