@@ -86,7 +86,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     engine = Engine(config, cache, workers, public.set_serving)
-    registry = CollectorRegistry() if config.metrics_port else None
+    registry = CollectorRegistry() if config.metrics_port or config.http_metrics else None
     latency = None
     if registry is not None:
         registry.register(SnapshotCollector(lambda: metric_values(engine)))
@@ -100,9 +100,9 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         if config.http.listen:  # bound before the workers answer, as gRPC is: 503 until then
             http = await HttpServer.start(EngineBackend(engine, latency), config.http,
                                           config.tls, max_http_body_bytes(max_message),
-                                          registry)
+                                          registry if config.http_metrics else None)
         await engine.start()
-        metrics = (None if registry is None
+        metrics = (None if registry is None or not config.metrics_port
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
         if http is not None:

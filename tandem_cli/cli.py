@@ -184,6 +184,11 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add_tls_serving_flags(p)
     _add_health_listen(p)
     _add_http_flags(p)
+    p.add_argument("--http-metrics", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("HTTP_METRICS", False),
+                   help="serve GET /metrics on the HTTP port too, where an inference "
+                        "gateway's endpoint picker scrapes it (docs/routing.md); off: only "
+                        "on --metrics-port")
 
 
 def _add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -322,8 +327,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_image_bytes=args.max_waiting_image_bytes,
-        metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
-        health_listen=args.health_listen,
+        metrics_port=args.metrics_port, http_metrics=args.http_metrics,
+        shutdown_grace_s=args.shutdown_grace, health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,

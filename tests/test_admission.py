@@ -114,7 +114,7 @@ def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BoundedCell]:
     http, metrics = free_port(), free_port()
     with running_cell(tmp, "--max-num-seqs", "1", "--max-waiting-requests", str(MAX_WAITING),
                       "--max-waiting-image-bytes", str(MAX_WAITING_BYTES),
-                      "--http-listen", f"127.0.0.1:{http}",
+                      "--http-listen", f"127.0.0.1:{http}", "--http-metrics",
                       "--metrics-port", str(metrics)) as cell:
         yield BoundedCell(cell, f"http://127.0.0.1:{http}", metrics)
 

@@ -66,9 +66,10 @@ def create_app(backend: Backend, max_body_bytes: int,
                fetcher: RemoteImageFetcher | None = None,
                metrics: CollectorRegistry | None = None) -> FastAPI:
     """The app over ``backend``, refusing bodies over ``max_body_bytes``; ``fetcher`` set
-    = remote image URLs are allowed; ``metrics`` set = ``GET /metrics`` serves them too, as
-    vLLM serves its own on its API port: where an inference extension's endpoint picker
-    scrapes a pool's target port by default (docs/routing.md)."""
+    = remote image URLs are allowed; ``metrics`` set (the scheduler's --http-metrics) =
+    ``GET /metrics`` serves them too, as vLLM serves its own on its API port: where an
+    inference extension's endpoint picker scrapes a pool's target port by default
+    (docs/routing.md)."""
     # NOTE: FastAPI's own OpenTelemetry (on by default since 0.142) is off: its logs record
     # validation failures with the input, and prompts never go into telemetry here;
     # ServerSpans makes the one server span, the twin of the gRPC port's.
