@@ -326,6 +326,11 @@ def test_a_stopped_picker_fails_closed_or_open(gateway: Gateway, tmp_path: Path)
         _wait(lambda: _served(stubs["open"], msg))
         for _ in range(4):
             assert stream(stubs["open"], msg)[2].usage.completion_tokens == 2
+        # Without the picker to overwrite it, a client's own destination must still be gone
+        # before routing (Envoy's early header mutation), or it would pick the upstream.
+        spoofed = stubs["open"].Generate(msg, timeout=30,
+                                         metadata=((DESTINATION_HEADER, "127.0.0.1:1"),))
+        assert list(spoofed)[-1].usage.completion_tokens == 2
 
 
 def _served(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRequest) -> bool:
