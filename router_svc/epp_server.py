@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -18,7 +16,7 @@ from router_svc.epp import SERVICE_NAME, CellEndpoint, EppServicer, Picker, reso
 from router_svc.metrics import start_metrics
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
-from tandem.shutdown import DEFAULT_GRACE_S
+from tandem.shutdown import DEFAULT_GRACE_S, serve_until_signalled
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 
 log = logging.getLogger(__name__)
@@ -111,13 +109,6 @@ async def create_epp(config: EppConfig) -> EppServer:
 
 async def serve(config: EppConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order (see EppServer.stop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    running = await create_epp(config)
-    print(f"tandem epp listening on {config.listen} over {len(config.cells)} cells "
-          f"(pid {os.getpid()})", flush=True)
-    await stop.wait()
-    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
-    await running.stop(config.shutdown_grace_s)
+    await serve_until_signalled(
+        create_epp(config), f"tandem epp listening on {config.listen} over "
+        f"{len(config.cells)} cells", config.shutdown_grace_s)

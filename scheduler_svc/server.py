@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from tandem.processor_cache import (
 )
 from tandem.request_limits import max_http_body_bytes, max_message_bytes
 from tandem.shared_dir import prepare_shared_dir
+from tandem.shutdown import serve_until_signalled
 from tandem.tls import server_credentials
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -174,14 +173,7 @@ def model_server_metrics(engine: Engine, waiting: int,
 
 async def serve(config: SchedulerConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order (see SchedulerServer.stop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    running = await create_server(config)
     http = f", HTTP on {config.http.listen}" if config.http.listen else ""
-    print(f"tandem scheduler listening on {config.listen}{http} (pid {os.getpid()})",
-          flush=True)
-    await stop.wait()
-    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
-    await running.stop(config.shutdown_grace_s)
+    await serve_until_signalled(
+        create_server(config), f"tandem scheduler listening on {config.listen}{http}",
+        config.shutdown_grace_s)

@@ -56,6 +56,8 @@ def test_the_bootstrap_holds_the_ext_proc_contract() -> None:
     assert cells["original_dst_lb_config"]["http_header_name"] == DESTINATION_HEADER
     epp = clusters(b)[EPP_CLUSTER]
     assert epp["health_checks"][0]["grpc_health_check"]["service_name"] == EXT_PROC_SERVICE
+    # A down EPP must fail the stream before a byte is sent, or fail-open cannot work.
+    assert epp["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
     assert "transport_socket" not in epp
     assert set(clusters(b)) == {CELLS_CLUSTER, EPP_CLUSTER}  # no fallback unless asked
     assert b["admin"]["address"]["socket_address"] == {"address": "127.0.0.1",

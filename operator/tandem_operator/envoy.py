@@ -210,8 +210,11 @@ def _epp_cluster(address: str, port: int, tls: UpstreamTls | None,
                 "explicit_http_config": {"http2_protocol_options": {}},
             },
         },
-        # Fail-open needs Envoy to know the EPP is down (a failed stream alone is not enough
-        # in full-duplex mode): the EPP's ext_proc health service decides.
+        # Fail-open needs Envoy to know the EPP is down before it opens a stream (once a
+        # body went to a stream that then failed, full-duplex mode can only answer 503):
+        # the EPP's ext_proc health service decides, and without panic routing a down EPP
+        # fails the stream at once, before any byte is sent.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "health_checks": [{
             "timeout": "1s", "interval": "1s", "unhealthy_threshold": 1,
             "healthy_threshold": 1, "no_traffic_interval": "1s",
