@@ -11,6 +11,11 @@ request. Because ``n * capacity >= T + 1`` when ``load_factor >= 1``, some servi
 always has room: a hot key spills along its ring order instead of melting one cell, and
 cold keys keep their affinity. The rounding matters at low load: with one request in
 flight on three cells the mean is 1/3, yet one cell must hold it.
+
+Two more limits narrow the cells a request may go to (the endpoint picker uses both): a
+subset named by the gateway (``only``), and a queue bound: a cell whose own count of
+requests in flight (its last ``CacheStats``, all clients included) has reached
+``queue_bound`` takes no more until it drains.
 """
 
 from __future__ import annotations
@@ -52,19 +57,26 @@ class Balancer:
     * ``healthy`` is a subset of the ring's cells;
     * ``peak_in_flight[c] >= in_flight[c]`` and ``peak_total >= `` the current total;
     * ``decisions`` counts every successful ``route`` call exactly once, keyed by
-      ``(cell, reason)``.
+      ``(cell, reason)``;
+    * ``queued`` (each cell's last reported requests in flight) has an entry >= 0 for
+      exactly the ring's cells.
 
     Only this class mutates them: ``route`` acquires a slot on the chosen cell and
-    ``release`` gives it back; ``set_healthy`` is the one way health changes. The class is
-    not thread-safe: the router calls it from its event loop only.
+    ``release`` gives it back; ``set_healthy`` is the one way health changes, ``set_queued``
+    the one way the reported queue does. The class is not thread-safe: the router and the
+    endpoint picker call it from their event loop only.
     """
 
     def __init__(self, cells: Sequence[str], load_factor: float = 1.25,
-                 vnodes: int = DEFAULT_VNODES) -> None:
+                 vnodes: int = DEFAULT_VNODES, queue_bound: int = 0) -> None:
         if not load_factor >= 1.0:
             raise ValueError(f"load_factor must be >= 1, got {load_factor}")
+        if queue_bound < 0:
+            raise ValueError(f"queue_bound must be >= 0 (0 = none), got {queue_bound}")
         self.ring = HashRing(cells, vnodes)
         self.load_factor = load_factor
+        self.queue_bound = queue_bound
+        self.queued: dict[str, int] = dict.fromkeys(self.ring.cells, 0)
         self.healthy: set[str] = set()
         self.in_flight: dict[str, int] = dict.fromkeys(self.ring.cells, 0)
         self.peak_in_flight: dict[str, int] = dict.fromkeys(self.ring.cells, 0)
@@ -87,23 +99,43 @@ class Balancer:
             self.healthy.discard(cell)
         return before != healthy
 
-    def capacity(self, exclude: Collection[str] = ()) -> int:
+    def set_queued(self, cell: str, requests: int) -> None:
+        """A cell's own count of requests in flight, as it last reported it."""
+        if cell not in self.queued:
+            raise KeyError(f"unknown cell {cell!r}")
+        self.queued[cell] = max(0, requests)
+
+    def serving(self, exclude: Collection[str] = (),
+                only: Collection[str] | None = None) -> list[str]:
+        """The healthy cells a request may go to (``only``: among these), full or not."""
+        return [c for c in self.ring.cells if c in self.healthy and c not in exclude
+                and (only is None or c in only)]
+
+    def queue_full(self, cell: str) -> bool:
+        return 0 < self.queue_bound <= self.queued[cell]
+
+    def capacity(self, exclude: Collection[str] = (),
+                 only: Collection[str] | None = None) -> int:
         """The most requests any eligible cell may hold once one more is added."""
-        serving = [c for c in self.ring.cells if c in self.healthy and c not in exclude]
+        serving = [c for c in self.serving(exclude, only) if not self.queue_full(c)]
         if not serving:
             return 0
         total = sum(self.in_flight[c] for c in serving)
         return math.ceil(self.load_factor * (total + 1) / len(serving))
 
-    def route(self, key: bytes, exclude: Collection[str] = ()) -> RouteDecision | None:
-        """Chooses a cell for ``key`` and takes a slot on it; None when no cell serves.
+    def route(self, key: bytes, exclude: Collection[str] = (),
+              only: Collection[str] | None = None) -> RouteDecision | None:
+        """Chooses a cell for ``key`` and takes a slot on it; None when no cell may take it
+        (``serving`` tells "none is up" from "every one is over its queue bound").
 
-        ``exclude`` names cells that already failed this request, so a retry goes on.
+        ``exclude`` names cells that already failed this request, so a retry goes on;
+        ``only`` (None = every cell) is the subset the request must stay in.
         """
-        cap = self.capacity(exclude)
+        cap = self.capacity(exclude, only)
         skipped_full = False
         for i, cell in enumerate(self.ring.walk(key)):
-            if cell not in self.healthy or cell in exclude:
+            if (cell not in self.healthy or cell in exclude
+                    or (only is not None and cell not in only) or self.queue_full(cell)):
                 continue
             if self.in_flight[cell] + 1 > cap:
                 skipped_full = True
@@ -132,7 +164,8 @@ class Balancer:
 
     def check_invariants(self) -> None:
         self.ring.check_invariants()
-        assert set(self.in_flight) == set(self.ring.cells)
+        assert set(self.in_flight) == set(self.ring.cells) == set(self.queued)
+        assert all(n >= 0 for n in self.queued.values()), self.queued
         assert all(n >= 0 for n in self.in_flight.values()), self.in_flight
         assert self.healthy <= set(self.ring.cells), self.healthy
         assert all(self.peak_in_flight[c] >= n for c, n in self.in_flight.items())

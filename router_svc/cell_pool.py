@@ -4,6 +4,8 @@ A cell is up while its health service reports ``tandem.v1.Generation`` SERVING (
 scheduler says so only once its workers are ready, and stops saying so when it begins to
 shut down). A failed check (refused, timed out) or a call that fails with UNAVAILABLE marks
 it down at once; the next check that sees SERVING brings it back, and with it its keys.
+Each check of a serving cell also reads its ``CacheStats``: the cell's own count of
+requests in flight (all clients') is the balancer's queue for that cell.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class CellPool:
         results = await asyncio.gather(*(self._serving(c) for c in cells))
         for cell, serving in zip(cells, results, strict=True):
             self._set(cell, serving, "health check")
+        live = [c for c, serving in zip(cells, results, strict=True) if serving]
+        stats = await asyncio.gather(*(self._stats(c) for c in live))
+        for cell, reply in zip(live, stats, strict=True):
+            if reply is not None:
+                self.balancer.set_queued(cell, reply.requests_in_flight)
 
     def mark_down(self, cell: str, why: str) -> None:
         self._set(cell, False, why)
@@ -94,6 +101,15 @@ class CellPool:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _stats(self, cell: str) -> generate_pb2.CacheStatsResponse | None:
+        """The cell's live state; None when it does not answer in time (its health
+        decides whether it is up; its last reported queue stays)."""
+        try:
+            return await self.stubs[cell].CacheStats(generate_pb2.CacheStatsRequest(),
+                                                     timeout=HEALTH_TIMEOUT_S)
+        except grpc.RpcError:
+            return None
 
     def _set(self, cell: str, serving: bool, why: str) -> None:
         if self.balancer.set_healthy(cell, serving):

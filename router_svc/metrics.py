@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router_svc.balancer import REASONS, Balancer
+from tandem.metrics import MetricsEndpoint
+
+
+async def start_metrics(balancer: Balancer, port: int,
+                        registry: CollectorRegistry | None = None) -> MetricsEndpoint:
+    """``/metrics`` on ``port``: the balancer's metrics plus those of ``registry``."""
+    registry = registry or CollectorRegistry()
+    registry.register(BalancerCollector(balancer))
+    return await MetricsEndpoint.start(registry, port)
 
 
 class BalancerCollector(Collector):

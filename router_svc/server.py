@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 from dataclasses import dataclass, field
-
-from prometheus_client import CollectorRegistry
 
 from router_svc.balancer import Balancer
 from router_svc.cell_pool import MAX_MESSAGE_BYTES, SERVICE_NAME, CellPool
 from router_svc.forwarding import Forwarder
 from router_svc.http_backend import RouterBackend
-from router_svc.metrics import BalancerCollector
+from router_svc.metrics import start_metrics
 from router_svc.servicer import RouterServicer
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
 from tandem.openai_api.http_server import HttpConfig, HttpServer
 from tandem.request_limits import max_http_body_bytes
-from tandem.shutdown import DEFAULT_GRACE_S
+from tandem.shutdown import DEFAULT_GRACE_S, serve_until_signalled
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
 from tandem.v1 import generate_pb2_grpc
 
@@ -110,11 +106,7 @@ async def create_router(config: RouterConfig) -> RouterServer:
             await public.stop(0)
             await pool.close()
             raise
-    metrics = None
-    if config.metrics_port:
-        registry = CollectorRegistry()
-        registry.register(BalancerCollector(balancer))
-        metrics = await MetricsEndpoint.start(registry, config.metrics_port)
+    metrics = await start_metrics(balancer, config.metrics_port) if config.metrics_port else None
     log.info("router serving %s on port %d, %s, over %d cells (%d up%s), load factor %.2f",
              SERVICE_NAME, port, tls_mode(credentials, config.tls.ca), len(config.cells),
              len(balancer.healthy), ", TLS" if cell_credentials else "", config.load_factor)
@@ -125,13 +117,6 @@ async def create_router(config: RouterConfig) -> RouterServer:
 
 async def serve(config: RouterConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order (see RouterServer.stop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    running = await create_router(config)
-    print(f"tandem router listening on {config.listen} over {len(config.cells)} cells "
-          f"(pid {os.getpid()})", flush=True)
-    await stop.wait()
-    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
-    await running.stop(config.shutdown_grace_s)
+    await serve_until_signalled(
+        create_router(config), f"tandem router listening on {config.listen} over "
+        f"{len(config.cells)} cells", config.shutdown_grace_s)

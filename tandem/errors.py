@@ -94,6 +94,10 @@ class Unavailable(TandemError, code=grpc.StatusCode.UNAVAILABLE):
     pass
 
 
+class DeadlineExceeded(TandemError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
+    pass
+
+
 class FailedPrecondition(TandemError, code=grpc.StatusCode.FAILED_PRECONDITION):
     pass
 

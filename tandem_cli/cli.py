@@ -27,6 +27,10 @@ from tandem.tls import TlsConfigError, TlsFiles
 DEFAULT_TARGET = "localhost:50051"
 
 
+class SettingsError(ValueError):
+    """A setting the user must fix (the command exits with status 2 and the message)."""
+
+
 DESCRIPTION = ("Run Tandem's services, talk to them, export the model. Every service setting "
                "is a flag whose default comes from a TANDEM_* variable "
                "(docs/configuration.md).")
@@ -185,6 +189,11 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add_tls_serving_flags(p)
     _add_health_listen(p)
     _add_http_flags(p)
+    p.add_argument("--http-metrics", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("HTTP_METRICS", False),
+                   help="serve GET /metrics on the HTTP port too, where an inference "
+                        "gateway's endpoint picker scrapes it (docs/routing.md); off: only "
+                        "on --metrics-port")
 
 
 def _add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -254,6 +263,44 @@ def _add_health_listen(p: argparse.ArgumentParser) -> None:
                    help="extra host:port serving only gRPC health, in plaintext (probes)")
 
 
+def _add_picking_flags(p: argparse.ArgumentParser, prefix: str) -> None:
+    """What the router and the endpoint picker share: how they pick a cell and reach it,
+    their ports' TLS, metrics and shutdown. ``prefix``: of their own TANDEM_* variables."""
+    p.add_argument("--load-factor", type=float,
+                   default=float(_env(f"{prefix}_LOAD_FACTOR", "1.25")),
+                   help="a cell above this many times the mean in-flight count spills")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")),
+                   help="the cells' KV block size: a text prompt's key is its first block")
+    p.add_argument("--health-interval", type=float,
+                   default=float(_env(f"{prefix}_HEALTH_INTERVAL", "1.0")), help="seconds")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                   help="Prometheus /metrics port (0 = off)")
+    _add_shutdown_grace(p)
+    _add_tls_serving_flags(p)
+    _add_health_listen(p)
+    p.add_argument("--cell-tls-ca", default=_env(f"{prefix}_CELL_TLS_CA", ""),
+                   help="PEM CA bundle of the cells' certificates: connect to them with TLS")
+    p.add_argument("--cell-tls-cert", default=_env(f"{prefix}_CELL_TLS_CERT", ""),
+                   help="PEM client certificate presented to cells that ask for mutual TLS")
+    p.add_argument("--cell-tls-key", default=_env(f"{prefix}_CELL_TLS_KEY", ""),
+                   help="PEM private key of --cell-tls-cert")
+
+
+def _add_epp_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", default=_env("EPP_CELLS", ""),
+                   help="comma-separated cells: host:GRPC_PORT or host:GRPC_PORT/HTTP_PORT "
+                        "(IPv6 hosts in brackets)")
+    p.add_argument("--http-port", type=int, default=int(_env("EPP_HTTP_PORT", "8000")),
+                   help="the cells' OpenAI HTTP port, for entries of --cells without one")
+    p.add_argument("--queue-bound", type=int, default=int(_env("EPP_QUEUE_BOUND", "0")),
+                   help="a cell with this many requests in flight takes no more; 429 when "
+                        "every cell is there (0 = no bound)")
+    p.add_argument("--body-timeout", type=seconds_arg, default=_env("EPP_BODY_TIMEOUT", "30"),
+                   help="seconds a request's body may take to arrive")
+    _add_picking_flags(p, "EPP")
+
+
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("DEVICE", "auto"))
     p.add_argument("--dtype", default=_env("DTYPE", "auto"),
@@ -288,8 +335,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_image_bytes=args.max_waiting_image_bytes,
-        metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
-        health_listen=args.health_listen,
+        metrics_port=args.metrics_port, http_metrics=args.http_metrics,
+        shutdown_grace_s=args.shutdown_grace, health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
@@ -490,6 +537,42 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epp_config(args: argparse.Namespace, listen: str):
+    from router_svc.epp import parse_cells
+    from router_svc.epp_server import EppConfig
+
+    try:
+        cells = parse_cells(args.cells, args.http_port)
+    except ValueError as exc:
+        raise SettingsError(f"--cells: {exc}") from None
+    if not cells:
+        raise SettingsError("--cells (or TANDEM_EPP_CELLS) names no cell")
+    return EppConfig(
+        cells=cells, listen=listen, load_factor=args.load_factor, block_size=args.block_size,
+        health_interval=args.health_interval, queue_bound=args.queue_bound,
+        body_timeout_s=args.body_timeout, metrics_port=args.metrics_port,
+        shutdown_grace_s=args.shutdown_grace,
+        tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
+        cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
+        health_listen=args.health_listen)
+
+
+def cmd_epp(args: argparse.Namespace) -> int:
+    from router_svc.epp_server import serve
+
+    asyncio.run(serve(_epp_config(args, args.listen)))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from tandem_cli.gateway import GatewayConfig, run_gateway
+
+    asyncio.run(run_gateway(GatewayConfig(
+        _epp_config(args, args.epp_listen), listen=args.listen, admin_port=args.admin_port,
+        fail_open=args.fail_open, envoy_log_level=args.envoy_log_level)))
+    return 0
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
     from worker_svc.checkpoint import export_model
 
@@ -515,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (TlsConfigError, UnsafeSharedDir) as exc:  # settings the user must fix
+    except (TlsConfigError, UnsafeSharedDir, SettingsError) as exc:  # settings to fix
         print(f"tandem {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
     except TandemError as exc:  # e.g. a model directory that cannot be served
@@ -571,25 +654,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated host:port of the cells' schedulers")
     p.add_argument("--listen", default=_env("LISTEN", "localhost:50050"))
     _add_served_name_flag(p)
-    p.add_argument("--load-factor", type=float, default=float(_env("ROUTER_LOAD_FACTOR", "1.25")),
-                   help="a cell above this many times the mean in-flight count spills")
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
-    p.add_argument("--health-interval", type=float,
-                   default=float(_env("ROUTER_HEALTH_INTERVAL", "1.0")), help="seconds")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
-                   help="Prometheus /metrics port (0 = off)")
-    _add_shutdown_grace(p)
-    _add_tls_serving_flags(p)
-    _add_health_listen(p)
+    _add_picking_flags(p, "ROUTER")
     _add_http_flags(p)
-    p.add_argument("--cell-tls-ca", default=_env("ROUTER_CELL_TLS_CA", ""),
-                   help="PEM CA bundle of the cells' certificates: connect to them with TLS")
-    p.add_argument("--cell-tls-cert", default=_env("ROUTER_CELL_TLS_CERT", ""),
-                   help="PEM client certificate presented to cells that ask for mutual TLS")
-    p.add_argument("--cell-tls-key", default=_env("ROUTER_CELL_TLS_KEY", ""),
-                   help="PEM private key of --cell-tls-cert")
     _add_tracing_flags(p)
+
+    p = add("epp", cmd_epp, "the endpoint picker: Envoy's ext_proc server that picks a cell "
+            "for each request by cache affinity (docs/routing.md)")
+    p.add_argument("--listen", default=_env("LISTEN", "localhost:9002"))
+    _add_epp_flags(p)
+
+    p = add("gateway", cmd_gateway, "a local Envoy (pip install 'tandem[gateway]') routed by "
+            "the endpoint picker across cells (docs/routing.md)")
+    p.add_argument("--listen", default=_env("GATEWAY_LISTEN", "localhost:8080"),
+                   help="host:port of Envoy's listener (gRPC h2c and HTTP/1.1)")
+    p.add_argument("--epp-listen", default=_env("GATEWAY_EPP_LISTEN", "127.0.0.1:0"),
+                   help="host:port of the endpoint picker (in this process; port 0 = any)")
+    p.add_argument("--admin-port", type=int, default=int(_env("GATEWAY_ADMIN_PORT", "9901")),
+                   help="Envoy's admin port, on 127.0.0.1")
+    p.add_argument("--fail-open", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("GATEWAY_FAIL_OPEN", False),
+                   help="while the picker is down, serve round robin without affinity "
+                        "(default: answer 503 / UNAVAILABLE)")
+    p.add_argument("--envoy-log-level", default=_env("GATEWAY_ENVOY_LOG_LEVEL", "warning"))
+    _add_epp_flags(p)
 
     p = add("traces", cmd_traces, "show the last requests of a trace file as span trees")
     p.add_argument("--file", default=os.environ.get("TANDEM_TRACE_FILE", ""),

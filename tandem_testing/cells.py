@@ -186,6 +186,16 @@ def running_cells(managers: Sequence[contextlib.AbstractContextManager[Cell]],
             list(pool.map(lambda m: m.__exit__(None, None, None), entered))
 
 
+def kill_cell(cell: Cell) -> None:
+    """SIGKILL the cell's scheduler and its worker processes (a crash, not a shutdown)."""
+    pids = descendants(cell.proc.pid)
+    cell.proc.kill()
+    cell.proc.wait()
+    for pid in pids[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     """SIGTERM (a graceful shutdown), then SIGKILL if it is not done within ``timeout``."""
     proc.send_signal(signal.SIGTERM)

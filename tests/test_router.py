@@ -7,7 +7,6 @@ own event-loop thread so the tests can read its balancer. The last test kills a 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -31,7 +30,15 @@ from router_svc.servicer import CELL_HEADER
 from tandem.cell_stats import parse_per_cell
 from tandem.errors import error_info
 from tandem.v1 import generate_pb2, generate_pb2_grpc
-from tandem_testing.cells import Cell, free_port, png, request, running_cell, running_cells
+from tandem_testing.cells import (
+    Cell,
+    free_port,
+    kill_cell,
+    png,
+    request,
+    running_cell,
+    running_cells,
+)
 from tandem_testing.router import RouterThread, running_router
 
 PROMPT = "Describe <image> briefly."
@@ -257,32 +264,13 @@ def _serving(health: health_pb2_grpc.HealthStub, check: health_pb2.HealthCheckRe
         return False
 
 
-def _kill_cell(cell: Cell) -> None:
-    """SIGKILL the cell's scheduler and its worker processes (a crash, not a shutdown)."""
-    pid = cell.proc.pid
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(p) == pid]
-    cell.proc.kill()
-    cell.proc.wait()
-    for child in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-
-
-def _ppid(pid: str) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def test_requests_survive_a_killed_cell(router: RouterThread, cells: list[Cell]) -> None:
     """Runs last: the killed cell stays dead for the rest of the module."""
     victim = cells[2]
     images = _images_owned_by(router, victim.target, 3, salt="kill")
     balancer = router.server.balancer
     failovers = router.read(lambda: sum(balancer.decision_counts("failover").values()))
-    _kill_cell(victim)
+    kill_cell(victim)
     # No waiting for the health poller: the first call fails UNAVAILABLE and is retried.
     for data in images:
         cell, usage = _generate(router, request(PROMPT, [data], max_tokens=2, cache_salt="kill"))

