@@ -29,15 +29,12 @@ from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.balancer import Balancer, RouteDecision
 from router_svc.cell_pool import MAX_MESSAGE_BYTES
 from router_svc.routing_key import RoutingKey, routing_key
@@ -55,7 +52,8 @@ from tandem.v1 import generate_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"  # Envoy's; the messages:
+# router_svc/ext_proc.proto
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -178,7 +176,7 @@ def _generate_request(path: str, content_type: str, body: bytes,
         return empty
 
 
-def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+def subset_hint(metadata: ext_proc.Metadata) -> frozenset[str] | None:
     """The gateway's subset hint (``ip:port`` entries), None when it gave none."""
     if SUBSET_NAMESPACE not in metadata.filter_metadata:
         return None
@@ -220,7 +218,17 @@ class Picker:
 
 # --- the ext_proc stream -----------------------------------------------------------------
 
-class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
+def ext_proc_handler(servicer: EppServicer) -> grpc.GenericRpcHandler:
+    """``servicer`` as Envoy's ``ExternalProcessor`` service, registered by name: its
+    messages are this project's wire-compatible subset (router_svc/ext_proc.proto)."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            servicer.Process,
+            request_deserializer=ext_proc.ProcessingRequest.FromString,
+            response_serializer=ext_proc.ProcessingResponse.SerializeToString)})
+
+
+class EppServicer:
     """One ``Process`` stream per request: pick, then pass everything through.
 
     ``refused`` counts the requests the picker answered itself, by HTTP status.
@@ -292,26 +300,26 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
         if grpc_request:
             # A gRPC client reads the status from grpc-status, in a 200 trailers-only answer.
             return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
-                status=http_status_pb2.HttpStatus(code=http_status_pb2.OK),
+                status=ext_proc.HttpStatus(code=200),
                 grpc_status=ext_proc.GrpcStatus(status=error.code.value[0]),
                 body=error.message.encode(), details=f"tandem_epp_{error.reason.lower()}"))
         mutation = ext_proc.HeaderMutation(set_headers=[
             _header(k, v) for k, v in {"content-type": "application/json",
                                        **http_headers(status)}.items()])
         return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status), headers=mutation,
+            status=ext_proc.HttpStatus(code=status), headers=mutation,
             body=json.dumps(body).encode(), details=f"tandem_epp_{error.reason.lower()}"))
 
 
-def _header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
+def _header_map(headers: ext_proc.HeaderMap) -> dict[str, str]:
     return {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
             for h in headers.headers}
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+def _header(key: str, value: str) -> ext_proc.HeaderValueOption:
+    return ext_proc.HeaderValueOption(
+        header=ext_proc.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=ext_proc.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def _route_to(destination: str) -> ext_proc.ProcessingResponse:

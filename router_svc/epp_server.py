@@ -6,13 +6,19 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter
 
 from router_svc.balancer import Balancer
 from router_svc.cell_pool import MAX_MESSAGE_BYTES, CellPool
-from router_svc.epp import SERVICE_NAME, CellEndpoint, EppServicer, Picker, resolved
+from router_svc.epp import (
+    SERVICE_NAME,
+    CellEndpoint,
+    EppServicer,
+    Picker,
+    ext_proc_handler,
+    resolved,
+)
 from router_svc.metrics import start_metrics
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
@@ -91,8 +97,8 @@ async def create_epp(config: EppConfig) -> EppServer:
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)], trace_calls=False)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        EppServicer(picker, config.block_size, config.body_timeout_s, refused), server.server)
+    server.server.add_generic_rpc_handlers((ext_proc_handler(
+        EppServicer(picker, config.block_size, config.body_timeout_s, refused)),))
     pool = CellPool(balancer, config.health_interval, credentials=cell_credentials)
     port = await server.start(tcp_binder(config.listen, credentials), config.health_listen)
     await server.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)

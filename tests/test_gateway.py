@@ -23,14 +23,13 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
 
+from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.epp import (
     DESTINATION_HEADER,
     GENERATE_PATH,
+    SERVICE_NAME,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     CellEndpoint,
@@ -174,10 +173,10 @@ def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:
 
 def _headers(path: str, content_type: str, end_of_stream: bool = False,
              hint: list[str] | None = None) -> ext_proc.ProcessingRequest:
-    headers = base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode())
+    headers = ext_proc.HeaderMap(headers=[
+        ext_proc.HeaderValue(key=k, raw_value=v.encode())
         for k, v in ((":method", "POST"), (":path", path), ("content-type", content_type))])
-    metadata = base_pb2.Metadata()
+    metadata = ext_proc.Metadata()
     if hint is not None:
         value = struct_pb2.Struct()
         value.get_or_create_list(SUBSET_KEY).extend(hint)
@@ -203,7 +202,11 @@ def _process(target: str, *requests: ext_proc.ProcessingRequest, expect: int = 1
         done.wait(10)
 
     with grpc.insecure_channel(target) as channel:
-        call = ext_proc_grpc.ExternalProcessorStub(channel).Process(sent(), timeout=10)
+        process = channel.stream_stream(
+            f"/{SERVICE_NAME}/Process",
+            request_serializer=ext_proc.ProcessingRequest.SerializeToString,
+            response_deserializer=ext_proc.ProcessingResponse.FromString)
+        call = process(sent(), timeout=10)
         try:
             return [next(call) for _ in range(expect)]
         finally:
