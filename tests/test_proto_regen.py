@@ -33,3 +33,17 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
     stray = {p.name for p in committed.glob("*_pb2*")} - set(generated)
     assert not stray, f"generated files without a .proto source: {stray}"
     shutil.rmtree(tmp_path / "tandem")
+
+
+def test_the_ext_proc_subset_matches_its_proto(tmp_path: Path) -> None:
+    """router_svc/ext_proc.proto (Envoy's messages the endpoint picker speaks)."""
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={tmp_path}",
+         f"--pyi_out={tmp_path}", str(ROOT / "router_svc" / "ext_proc.proto")],
+        check=True,
+    )
+    for name in ("ext_proc_pb2.py", "ext_proc_pb2.pyi"):
+        assert filecmp.cmp(tmp_path / "router_svc" / name, ROOT / "router_svc" / name,
+                           shallow=False), (
+            f"router_svc/{name} is stale; regenerate with python -m grpc_tools.protoc -I. "
+            "--python_out=. --pyi_out=. router_svc/ext_proc.proto")
