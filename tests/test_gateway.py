@@ -27,6 +27,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
+from pki import make_pki
 
 from router_svc.epp import (
     DESTINATION_HEADER,
@@ -39,6 +40,7 @@ from router_svc.epp import (
 from router_svc.epp_server import EppConfig
 from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
+from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_cli.gateway import (
     GatewayConfig,
@@ -47,6 +49,7 @@ from tandem_cli.gateway import (
     stop_envoy,
     wait_envoy_ready,
 )
+from tandem_operator.envoy import UpstreamTls, envoy_bootstrap
 from tandem_testing.cells import (
     Cell,
     free_port,
@@ -338,6 +341,30 @@ def _served(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRe
         return stream(stub, msg)[2].usage.completion_tokens > 0
     except grpc.RpcError:
         return False
+
+
+def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0",
+                       tls=TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca)))
+    listen, admin = free_port(), free_port()
+    with running_epp(config) as epp:
+        with pytest.raises(grpc.RpcError):  # plaintext is refused
+            _process(f"127.0.0.1:{epp.server.port}", *_grpc_request(request(TEXT)))
+        bootstrap = envoy_bootstrap(
+            listen_port=listen, listen_address="127.0.0.1", epp_address="127.0.0.1",
+            epp_port=epp.server.port, admin_port=admin,
+            epp_tls=UpstreamTls(ca=str(pki.ca), cert=str(pki.client_cert),
+                                key=str(pki.client_key), sni="localhost"))
+        (tmp_path / "envoy").mkdir()
+        proc = start_envoy(bootstrap, tmp_path / "envoy")
+        try:
+            wait_envoy_ready(proc, admin, tmp_path / "envoy")
+            with grpc.insecure_channel(f"127.0.0.1:{listen}") as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                assert stream(stub, request(TEXT, max_tokens=2))[2].usage.completion_tokens == 2
+        finally:
+            stop_envoy(proc)
 
 
 def test_a_killed_cell_is_no_longer_picked(gateway: Gateway) -> None:
