@@ -239,6 +239,7 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("request_headers"):
             return  # Envoy always opens with the request headers; nothing to do otherwise
+        picker = self.picker  # the cells may change (a cells file); this stream keeps its own
         headers = _header_map(first.request_headers.headers)
         grpc_request = is_grpc(headers.get("content-type", ""))
         decision: RouteDecision | None = None
@@ -248,12 +249,12 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
                 body, ended_by_trailers = await self._body(request_iterator)
             key = request_key(headers.get(":path", ""), headers.get("content-type", ""),
                               body, self.block_size)
-            decision = self.picker.pick(key, subset_hint(first.metadata_context))
+            decision = picker.pick(key, subset_hint(first.metadata_context))
         except TandemError as error:
             yield self._refuse(error, grpc_request)
             return
         try:
-            destination = self.picker.cells[decision.cell].destination(grpc_request)
+            destination = picker.cells[decision.cell].destination(grpc_request)
             yield _route_to(destination)
             if not first.request_headers.end_of_stream:
                 for response in _streamed(body, last=not ended_by_trailers):
@@ -261,7 +262,7 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 yield _pass_through(msg)
         finally:
-            self.picker.balancer.release(decision.cell)
+            picker.balancer.release(decision.cell)
 
     async def _body(self, requests: AsyncIterator[ext_proc.ProcessingRequest],
                     ) -> tuple[bytes, bool]:

@@ -343,6 +343,25 @@ def _served(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRe
         return False
 
 
+def test_the_picker_follows_its_cells_file(gateway: Gateway, tmp_path: Path) -> None:
+    msg = request(PROMPT, [png(504)], max_tokens=2)
+    owner = gateway.owner(msg)
+    mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
+    path = tmp_path / "cells"
+    path.write_text(f"{other.name}/{other.http_port}\n")
+    with running_epp(EppConfig(cells_file=str(path), listen="127.0.0.1:0",
+                               health_interval=0.1)) as epp:
+        target = f"127.0.0.1:{epp.server.port}"
+        assert _destination(_process(target, *_grpc_request(msg))) == other.destination(True)
+        path.write_text("\n".join(f"{c.name}/{c.http_port}" for c in gateway.endpoints))
+        _wait(lambda: epp.read(lambda: len(epp.server.balancer.healthy)) == 2)
+        assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+        path.write_text("not a cell")  # a bad file keeps the cells it had
+        time.sleep(0.5)
+        assert epp.read(lambda: len(epp.server.balancer.healthy)) == 2
+        assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+
+
 def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0",
