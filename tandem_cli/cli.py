@@ -557,11 +557,18 @@ def cmd_epp(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from tandem_cli.gateway import GatewayConfig, run_gateway
+    from tandem_cli.gateway import EnvoyFailed, EnvoyMissing, GatewayConfig, run_gateway
 
-    asyncio.run(run_gateway(GatewayConfig(
-        _epp_config(args, args.epp_listen), listen=args.listen, admin_port=args.admin_port,
-        fail_open=args.fail_open, envoy_log_level=args.envoy_log_level)))
+    try:
+        asyncio.run(run_gateway(GatewayConfig(
+            _epp_config(args, args.epp_listen), listen=args.listen,
+            admin_port=args.admin_port, fail_open=args.fail_open,
+            envoy_log_level=args.envoy_log_level)))
+    except EnvoyMissing as exc:
+        raise SettingsError(str(exc)) from None
+    except EnvoyFailed as exc:
+        print(f"tandem gateway: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

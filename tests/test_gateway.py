@@ -75,6 +75,7 @@ class Gateway:
     url: str  # Envoy's listener
     epp: str  # the picker's ext_proc port
     channel: grpc.Channel
+    metrics: str  # the picker's /metrics
 
     @property
     def stub(self) -> generate_pb2_grpc.GenerationStub:
@@ -94,12 +95,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                         for i, p in enumerate(http_ports)]) as cells:
         spec = ",".join(f"{c.target}/{p}" for c, p in zip(cells, http_ports, strict=True))
         listen, epp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        metrics = free_port()
         log = tmp / "gateway.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells", spec,
                  "--listen", listen, "--epp-listen", epp, "--admin-port", str(free_port()),
-                 "--health-interval", "0.2", "--block-size", str(BLOCK)],
+                 "--health-interval", "0.2", "--block-size", str(BLOCK),
+                 "--metrics-port", str(metrics)],
                 stdout=out, stderr=subprocess.STDOUT)
         channel = grpc.insecure_channel(listen)
         try:
@@ -108,7 +111,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             assert proc.poll() is None, log.read_text()
             endpoints = tuple(CellEndpoint(c.host, c.grpc_port, c.http_port, c.host)
                               for c in parse_cells(spec, 0))  # loopback IPs already
-            yield Gateway(cells, endpoints, f"http://{listen}", epp, channel)
+            yield Gateway(cells, endpoints, f"http://{listen}", epp, channel,
+                          f"http://127.0.0.1:{metrics}/metrics")
         finally:
             channel.close()
             stop_process(proc, 20)
@@ -154,6 +158,25 @@ def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> Non
     assert after[1 - owner] == before[1 - owner]
     # The answer is the cell's own (the other cell, asked directly, says the same).
     assert gateway.cells[1 - owner].stream(msg)[0] == ids
+
+
+def test_the_pickers_metrics(gateway: Gateway) -> None:
+    def decisions() -> dict[str, float]:
+        text = httpx.get(gateway.metrics, timeout=10).text
+        assert "tandem_route_cell_serving" in text and "tandem_epp_refused" in text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("tandem_route_decisions_total{"):
+                cell = line.split('cell="')[1].split('"')[0]
+                out[cell] = out.get(cell, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+    msg = request(PROMPT, [png(505)], max_tokens=1)
+    cell = gateway.cells[gateway.owner(msg)].target
+    before = decisions()
+    stream(gateway.stub, msg)
+    after = decisions()
+    assert after[cell] == before.get(cell, 0) + 1
+    assert sum(after.values()) == sum(before.values()) + 1
 
 
 def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:
@@ -253,7 +276,8 @@ def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
     assert refused.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway) -> None:
+def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
+                                                          tmp_path: Path) -> None:
     cells = tuple(gateway.endpoints)
     msg = request(TEXT, max_tokens=2)
     with running_epp(EppConfig(cells=cells, listen="127.0.0.1:0", queue_bound=1,
@@ -276,12 +300,23 @@ def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway) -> N
         finally:
             for call in calls:
                 call.cancel()
-    dead = CellEndpoint("127.0.0.1", free_port(), free_port())
-    with running_epp(EppConfig(cells=(dead,), listen="127.0.0.1:0",
-                               body_timeout_s=0.5)) as epp:
+    dead = CellEndpoint("127.0.0.1", free_port(), free_port(), "127.0.0.1")
+    config = EppConfig(cells=(dead,), listen="127.0.0.1:0", body_timeout_s=0.5)
+    with running_epp(config) as epp, \
+            _envoy(GatewayConfig(config, f"127.0.0.1:{free_port()}", free_port()),
+                   epp.server.port, tmp_path / "envoy") as listen:
         target = f"127.0.0.1:{epp.server.port}"
         (none,) = _process(target, *_grpc_request(msg))
         assert none.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+        # Through Envoy: a gRPC status with the picker's message, and an OpenAI error.
+        with grpc.insecure_channel(listen) as channel, pytest.raises(grpc.RpcError) as refused:
+            stream(generate_pb2_grpc.GenerationStub(channel), msg)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == "no cell is serving"
+        reply = httpx.post(f"http://{listen}/v1/completions", json={"model": "m",
+                                                                    "prompt": "x"})
+        assert reply.status_code == 503
+        assert reply.json()["error"]["message"] == "no cell is serving"
         started = time.monotonic()
         (slow,) = _process(target, _headers(GENERATE_PATH, "application/grpc"))
         assert slow.immediate_response.grpc_status.status == \
