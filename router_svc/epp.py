@@ -242,7 +242,6 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
         picker = self.picker  # the cells may change (a cells file); this stream keeps its own
         headers = _header_map(first.request_headers.headers)
         grpc_request = is_grpc(headers.get("content-type", ""))
-        decision: RouteDecision | None = None
         try:
             body, ended_by_trailers = b"", False
             if not first.request_headers.end_of_stream:
@@ -259,6 +258,8 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
             if not first.request_headers.end_of_stream:
                 for response in _streamed(body, last=not ended_by_trailers):
                     yield ext_proc.ProcessingResponse(request_body=response)
+            if ended_by_trailers:  # read while buffering; answered once the body is back
+                yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             async for msg in request_iterator:
                 yield _pass_through(msg)
         finally:

@@ -276,6 +276,18 @@ def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
     assert refused.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
 
 
+def test_request_trailers_are_answered_after_the_body(gateway: Gateway) -> None:
+    msg = request(TEXT, max_tokens=2)
+    headers, body = _grpc_request(msg)
+    body.request_body.end_of_stream = False  # the trailers end this request
+    trailers = ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers())
+    picked, streamed, answered = _process(gateway.epp, headers, body, trailers, expect=3)
+    assert _destination([picked])
+    chunk = streamed.request_body.response.body_mutation.streamed_response
+    assert chunk.body == _grpc_body(msg) and not chunk.end_of_stream
+    assert answered.HasField("request_trailers")
+
+
 def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
                                                           tmp_path: Path) -> None:
     cells = tuple(gateway.endpoints)
