@@ -60,12 +60,15 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-GENERATE_PATH = "/tandem.v1.Generation/Generate"
+GENERATE_PATH = f"/{generate_pb2.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
 OPENAI_PATHS = {"/v1/chat/completions": schema.ChatCompletionRequest,
                 "/v1/completions": schema.CompletionRequest}
 # Envoy takes streamed body chunks below 64 KiB.
 CHUNK_BYTES = 60 * 1024
 GRPC_FRAME_PREFIX = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
+# Larger bodies (images) are read into a key off the event loop, so decoding and hashing
+# them never stalls the other requests' streams.
+OFF_LOOP_BYTES = 256 * 1024
 
 
 # --- cells -------------------------------------------------------------------------------
@@ -246,8 +249,10 @@ class EppServicer(ext_proc_grpc.ExternalProcessorServicer):
             body, ended_by_trailers = b"", False
             if not first.request_headers.end_of_stream:
                 body, ended_by_trailers = await self._body(request_iterator)
-            key = request_key(headers.get(":path", ""), headers.get("content-type", ""),
-                              body, self.block_size)
+            args = (headers.get(":path", ""), headers.get("content-type", ""), body,
+                    self.block_size)
+            key = (request_key(*args) if len(body) <= OFF_LOOP_BYTES
+                   else await asyncio.to_thread(request_key, *args))
             decision = picker.pick(key, subset_hint(first.metadata_context))
         except TandemError as error:
             yield self._refuse(error, grpc_request)

@@ -32,6 +32,7 @@ from pki import make_pki
 from router_svc.epp import (
     DESTINATION_HEADER,
     GENERATE_PATH,
+    OFF_LOOP_BYTES,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     CellEndpoint,
@@ -140,7 +141,8 @@ def _chat(image: bytes, stream_: bool = True) -> dict[str, object]:
 
 
 def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> None:
-    data = png(501)
+    data = png(501, 400, 300)  # over OFF_LOOP_BYTES: its key is computed off the loop
+    assert len(data) > OFF_LOOP_BYTES
     msg = request(PROMPT, [data], max_tokens=3)
     owner = gateway.owner(msg)
     before = _misses(gateway.cells)
