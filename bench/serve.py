@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Poisson arrival rates (requests/s), each a load of its own")
     ap.add_argument("--max-concurrency", type=int, default=0,
                     help="bound on requests in flight at a --request-rate (0: none)")
+    ap.add_argument("--hog", action="store_true",
+                    help="run every load again beside a process spinning on CPU 0 (another "
+                         "job on the node) and print each engine's ratio hog/quiet")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2, help="requests before each round's loads")
     ap.add_argument("--seed", type=int, default=0)
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.lengths, (width, height), args.seed)
     loads = ([Load(c) for c in args.concurrency]
              + [Load(args.max_concurrency, rate) for rate in args.request_rate])
+    loads += [dataclasses.replace(load, hog=True) for load in loads] if args.hog else []
     opts = EngineOptions(
         model=_model(args.model, engines), dtype=args.dtype, prefix_caching=args.prefix_caching,
         vllm_venv=args.vllm_venv,
@@ -173,9 +179,12 @@ def _round(name: str, ep: Endpoint, workload: Workload, loads: list[Load], r: in
                                    output_len=min(workload.output_len, 8))
         asyncio.run(run_load(ep, build_requests(warm, -1), Load(args.warmup)))
     runs = []
-    for li, load in enumerate(loads):
-        requests = build_requests(workload, 100 * r + li)
-        results, duration = asyncio.run(run_load(ep, requests, load, seed=args.seed + r))
+    for load in loads:
+        # beside a hog, the same requests as quiet
+        requests = build_requests(workload, 100 * r + loads.index(dataclasses.replace(
+            load, hog=False)))
+        with cpu_hog() if load.hog else contextlib.nullcontext():
+            results, duration = asyncio.run(run_load(ep, requests, load, seed=args.seed + r))
         summary = summarize(results, duration, slo)
         print(f"  {name:12} {load.name:22} {summary['output_throughput']:8.1f} out tok/s  "
               f"TTFT p50 {_fmt(summary['p50_ttft_ms'])} ms  failed {summary['failed']}",
@@ -183,6 +192,18 @@ def _round(name: str, ep: Endpoint, workload: Workload, loads: list[Load], r: in
         runs.append({"engine": name, "round": r, "load": load.name, "summary": summary,
                      "requests": result_records(results)})
     return runs
+
+
+@contextmanager
+def cpu_hog() -> Iterator[None]:
+    """A process spinning on CPU 0 while the block runs: the other job a shared node has."""
+    hog = subprocess.Popen([sys.executable, "-c",
+                            "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def _startup_record(started: Started, r: int) -> dict:
@@ -214,6 +235,12 @@ def summarize_report(report: dict, names: list[str], args: argparse.Namespace) -
                 "same_text": sum(a["text"] == b["text"] for x, y in pairs
                                  for a, b in zip(x["requests"], y["requests"], strict=True)),
                 "requests": sum(len(x["requests"]) for x, _ in pairs)}
+    for name in names:  # beside a CPU hog / quiet, same requests, neighbours in time
+        for load in (load for load in report["loads"] if load.endswith(" + CPU hog")):
+            quiet = load.removesuffix(" + CPU hog")
+            pairs = [(by[name, load, r], by[name, quiet, r]) for r in range(args.rounds)]
+            out["ratios"][f"{name} hog/quiet | {quiet}"] = {
+                "output_throughput": _ratio(pairs, "output_throughput")}
     if args.bound_tokens_per_s and ref in names:
         for load in report["loads"]:
             tps = out["medians"][f"{ref} | {load}"]["output_throughput"]

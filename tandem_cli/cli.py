@@ -44,15 +44,20 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_arg(text: str) -> int:
-    """An integer of at least 1, for argparse."""
+def positive_arg(text: str, least: int = 1) -> int:
+    """An integer of at least ``least``, for argparse."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
     return value
+
+
+def threads_arg(text: str) -> int:
+    """A thread count, 0 for automatic, for argparse."""
+    return positive_arg(text, least=0)
 
 
 def fraction_arg(text: str) -> float:
@@ -184,6 +189,11 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     _add_tls_serving_flags(p)
     _add_health_listen(p)
     _add_http_flags(p)
+    p.add_argument("--http-metrics", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("HTTP_METRICS", False),
+                   help="serve GET /metrics on the HTTP port too, where an inference "
+                        "gateway's endpoint picker scrapes it (docs/routing.md); off: only "
+                        "on --metrics-port")
 
 
 def _add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -305,6 +315,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int,
                    default=int(_env("TENSOR_PARALLEL_SIZE", "1")),
                    help="workers sharing one copy of the model (divides --workers)")
+    p.add_argument("--torch-threads", type=threads_arg, default=_env("TORCH_THREADS", "0"),
+                   help="torch threads of each worker (0: the CPUs the process may use, "
+                        "capped by its container's CPU quota; serve: shared by its workers)")
 
 
 def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
@@ -325,8 +338,8 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_image_bytes=args.max_waiting_image_bytes,
-        metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
-        health_listen=args.health_listen,
+        metrics_port=args.metrics_port, http_metrics=args.http_metrics,
+        shutdown_grace_s=args.shutdown_grace, health_listen=args.health_listen,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         encoder_cache_embeds=args.encoder_cache_size, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, step_timeout_s=args.step_timeout,
@@ -337,8 +350,9 @@ def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
 
 def _worker_config(args: argparse.Namespace, rank: int, world_size: int, metrics_port: int,
                    listen: str = "", tp_master: tuple[str, int] = ("127.0.0.1", 29500),
-                   health_listen: str = ""):
-    """``metrics_port`` is the port this worker serves, exactly (0 = off)."""
+                   health_listen: str = "", threads: int | None = None):
+    """``metrics_port`` is the port this worker serves, exactly (0 = off); ``threads``
+    overrides ``--torch-threads``."""
     from worker_svc.config import WorkerConfig
 
     return WorkerConfig(
@@ -348,7 +362,8 @@ def _worker_config(args: argparse.Namespace, rank: int, world_size: int, metrics
         kv_cache_bytes=args.kv_cache_size, gpu_memory_fraction=args.gpu_memory_fraction,
         tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
         tp_master_port=tp_master[1], metrics_port=metrics_port,
-        shutdown_grace_s=args.shutdown_grace)
+        shutdown_grace_s=args.shutdown_grace,
+        threads=args.torch_threads if threads is None else threads)
 
 
 def worker_address(shm_dir: str, rank: int) -> str:
@@ -360,6 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import multiprocessing
 
     from scheduler_svc.server import serve as serve_scheduler
+    from tandem.cpus import usable_cpus
     from tandem.text import load_tokenizer
     from tandem_cli.supervisor import WorkerSupervisor
     from worker_svc.checkpoint import check_model
@@ -371,12 +387,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ctx = multiprocessing.get_context("spawn")  # grpc and fork don't mix
     tracing_args = (args.otlp_endpoint, args.trace_file)
 
+    # the local workers share this machine's CPUs rather than each taking all of them
+    threads = args.torch_threads or max(1, usable_cpus() // args.workers)
+
     def start_group(ranks: range) -> list:
         tp_master = ("127.0.0.1", _free_port())  # where the tensor-parallel ranks meet
         procs = [ctx.Process(target=_run_worker,
                              args=(_worker_config(args, r, args.workers,
                                                   _child_metrics_port(args.metrics_port, r),
-                                                  tp_master=tp_master),
+                                                  tp_master=tp_master, threads=threads),
                                    tracing_args),
                              name=f"tandem-worker-{r}") for r in ranks]
         for p in procs:

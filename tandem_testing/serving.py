@@ -66,13 +66,15 @@ class Load:
 
     concurrency: int = 1
     rate: float | None = None
+    hog: bool = False  # run beside a process spinning on CPU 0 (bench/serve.py --hog)
 
     @property
     def name(self) -> str:
+        hog = " + CPU hog" if self.hog else ""
         if self.rate is None:
-            return f"{self.concurrency} clients"
+            return f"{self.concurrency} clients{hog}"
         bound = f", at most {self.concurrency}" if self.concurrency else ""
-        return f"{self.rate:g} req/s{bound}"
+        return f"{self.rate:g} req/s{bound}{hog}"
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,20 @@ class BoundedCell:
         return {limit: m[f"tandem_rejected_requests_total{{limit={limit}}}"]
                 for limit in ("requests", "image_bytes")}
 
+    def model_server_metrics(self) -> tuple[float, float, float]:
+        """The inference extension's gauges (vLLM names): running, waiting, KV use; checked
+        against CacheStats, with the cache config an endpoint picker reads, and the same on
+        the HTTP port's /metrics (where a picker scrapes a pool's target port)."""
+        stats, m = self.cell.stats(), scrape(self.metrics)
+        on_http = scrape(int(self.url.rsplit(":", 1)[1]))
+        assert {k: v for k, v in on_http.items() if k.startswith("vllm:")} == {
+            k: v for k, v in m.items() if k.startswith("vllm:")}
+        total, free = stats.kv_blocks_total, stats.kv_blocks_free
+        assert m["vllm:kv_cache_usage_perc"] == pytest.approx((total - free) / total)
+        assert m[f"vllm:cache_config_info{{block_size=16,num_gpu_blocks={total}}}"] == 1
+        return (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                m["vllm:kv_cache_usage_perc"])
+
     def released(self) -> bool:
         """Nothing held: no request, SHM reference or KV block, nothing waiting."""
         stats, m = self.cell.stats(), scrape(self.metrics)
@@ -100,7 +114,7 @@ def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BoundedCell]:
     http, metrics = free_port(), free_port()
     with running_cell(tmp, "--max-num-seqs", "1", "--max-waiting-requests", str(MAX_WAITING),
                       "--max-waiting-image-bytes", str(MAX_WAITING_BYTES),
-                      "--http-listen", f"127.0.0.1:{http}",
+                      "--http-listen", f"127.0.0.1:{http}", "--http-metrics",
                       "--metrics-port", str(metrics)) as cell:
         yield BoundedCell(cell, f"http://127.0.0.1:{http}", metrics)
 
@@ -167,7 +181,8 @@ def _run(cell: Cell, msg: generate_pb2.GenerateRequest) -> generate_pb2.Generate
 def test_what_waits_is_bounded_by_count_and_image_bytes(bounded: BoundedCell) -> None:
     """A long request holds the only running slot and the worker is paused (SIGSTOP), so
     whatever is admitted waits, however fast the machine: one image request fits the byte
-    bound, a second does not; text requests fill the count."""
+    bound, a second does not; text requests fill the count. The model-server gauges an
+    endpoint picker scrapes show the one running, the ones waiting and the KV blocks held."""
     cell = bounded.cell
     hog = cell.stub.Generate(request("hold the slot", max_tokens=1000, ignore_eos=True),
                              timeout=120)
@@ -186,6 +201,8 @@ def test_what_waits_is_bounded_by_count_and_image_bytes(bounded: BoundedCell) ->
         for i in range(MAX_WAITING - 1):
             waiting.append(pool.submit(_run, cell, request(f"text {i}", max_tokens=2)))
         _until(lambda: bounded.waiting()[0] == MAX_WAITING)
+        running, queued, kv_use = bounded.model_server_metrics()
+        assert (running, queued) == (1, MAX_WAITING) and 0 < kv_use < 1
         with pytest.raises(grpc.RpcError) as refused:
             _run(cell, request("one too many", max_tokens=2))
         _assert_overloaded_grpc(refused.value, f"{MAX_WAITING} requests are waiting")
@@ -196,6 +213,7 @@ def test_what_waits_is_bounded_by_count_and_image_bytes(bounded: BoundedCell) ->
         assert all(f.result().finish_reason == generate_pb2.FINISH_REASON_LENGTH
                    for f in waiting)
     _until(bounded.released)
+    assert bounded.model_server_metrics() == (0, 0, 0)
 
 
 def test_a_flood_is_refused_in_part_and_ends_with_nothing_held(bounded: BoundedCell) -> None:

@@ -45,6 +45,7 @@ KIND_RESOURCES = {
     "StatefulSet": ("apps", "statefulsets", True),
     "Deployment": ("apps", "deployments", True),
     "Job": ("batch", "jobs", True),
+    "InferencePool": ("inference.networking.k8s.io", "inferencepools", True),
 }
 # KubeApi method -> verbs it sends; `apply(create_only=True)` sends create only.
 KUBEAPI_VERBS = {"apply": ("create", "patch"), "dry_run_create": ("create",),
@@ -62,18 +63,27 @@ def test_kubeapi_surface_is_known() -> None:
 
 def builder_kinds() -> dict[str, str]:
     """`build_*` function -> the kind of the object it returns (its dict literal's "kind")."""
-    kinds = {}
-    for tree in SOURCES.values():
-        for fn in ast.walk(tree):
-            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("build_"):
-                found = {k for node in ast.walk(fn) for k in _dict_kind(node)}
-                if len(found) == 1:
-                    kinds[fn.name] = found.pop()
-    return kinds
+    fns = [fn for tree in SOURCES.values() for fn in ast.walk(tree)
+           if isinstance(fn, ast.FunctionDef) and fn.name.startswith("build_")]
+    kinds: dict[str, str] = {}
+    while True:  # a builder that returns another builder's object has its kind
+        before = len(kinds)
+        for fn in fns:
+            found = {k for node in ast.walk(fn) for k in _dict_kind(node)} or {
+                kinds[node.func.id] for node in ast.walk(fn)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in kinds}
+            if len(found) == 1:
+                kinds[fn.name] = found.pop()
+        if len(kinds) == before:
+            return kinds
 
 
 def _dict_kind(node: ast.AST) -> set[str]:
-    if isinstance(node, ast.Dict):
+    """The kind of an object's dict literal (one with an apiVersion: not a reference such as
+    an InferencePool's endpointPickerRef)."""
+    if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "apiVersion"
+                                          for k in node.keys):
         for key, value in zip(node.keys, node.values, strict=True):
             if (isinstance(key, ast.Constant) and key.value == "kind"
                     and isinstance(value, ast.Constant)):
@@ -87,11 +97,12 @@ class KindResolver:
     def __init__(self, fn: ast.AST, builders: dict[str, str]) -> None:
         self.builders = builders
         self.bindings: dict[str, list[ast.expr]] = {}
-        for node in ast.walk(fn):
+        for node in ast.walk(fn):  # assignments first: a loop may precede them in the walk
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     self._bind(target, node.value)
-            elif isinstance(node, ast.For):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.For):
                 for element in self._elements(node.iter):
                     self._bind(node.target, element)
 

@@ -175,6 +175,11 @@ def test_completions_and_models(cells: list[HttpCell], router: RouterThread, via
     assert card.id == MODEL and card.model_extra["max_model_len"] > 0
 
 
+def test_metrics_stay_off_the_http_port_by_default(cells: list[HttpCell]) -> None:
+    """Only --http-metrics puts /metrics on the public port (docs/security.md)."""
+    assert httpx.get(cells[0].url + "/metrics", timeout=10).status_code == 404
+
+
 def test_request_id_header_and_curl(cells: list[HttpCell]) -> None:
     body = {"model": MODEL, "messages": _messages("hi"), "max_tokens": 3, "stream": True}
     out = subprocess.run(

@@ -69,7 +69,7 @@ def every_manifest() -> list[dict[str, Any]]:
             build_service(spec),
             build_service(spec, headless=True), build_cleanup_job(spec, 1, "gpu-7"),
             build_cleanup_job(spec, 1, "gpu-7", generation=4), pod,
-            build_service(spec, routed=True), build_workers_service(spec),
+            build_service(spec, front="router"), build_workers_service(spec),
             build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
 
 

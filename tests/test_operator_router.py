@@ -17,7 +17,7 @@ from tandem_operator.router import (
     build_router_configmap,
     build_router_deployment,
     cell_address,
-    router_available,
+    front_available,
 )
 
 GI = 1 << 30
@@ -91,25 +91,25 @@ def test_the_service_points_at_the_router_only_when_routed() -> None:
     spec = spec3()
     component = "app.kubernetes.io/component"
     assert build_service(spec)["spec"]["selector"][component] == "scheduler"
-    routed = build_service(spec, routed=True)
+    routed = build_service(spec, front="router")
     assert routed["spec"]["selector"][component] == "router"
     assert routed["spec"]["ports"][0]["targetPort"] == "grpc"
-    headless = build_service(spec, headless=True, routed=True)
+    headless = build_service(spec, headless=True, front="router")
     assert headless["spec"]["selector"][component] == "scheduler", "the router's way in"
 
 
 def test_router_availability_comes_from_the_deployment_status() -> None:
-    assert not router_available(None)
-    assert not router_available({"status": {}})
-    assert not router_available({"status": {"availableReplicas": 0, "replicas": 1}})
-    assert router_available({"status": {"availableReplicas": 1}})
+    assert not front_available(None)
+    assert not front_available({"status": {}})
+    assert not front_available({"status": {"availableReplicas": 0, "replicas": 1}})
+    assert front_available({"status": {"availableReplicas": 1}})
 
 
 def test_the_front_the_operator_converges_to() -> None:
     cells = CELLS[:2]
-    assert Front.wanted(spec3(), cells) == Front(True, (0, 1))
-    assert Front.wanted(tandem_spec({"cells": 1}), cells[:1]) == Front(False, ())
-    assert Front.wanted(spec3({"router": {"enabled": False}}), cells) == Front(False, ())
+    assert Front.wanted(spec3(), cells) == Front("router", (0, 1))
+    assert Front.wanted(tandem_spec({"cells": 1}), cells[:1]) == Front("scheduler", ())
+    assert Front.wanted(spec3({"router": {"enabled": False}}), cells) == Front("scheduler", ())
 
 
 def test_a_tls_router_serves_with_the_secret_and_presents_it_to_mutual_tls_cells() -> None:

@@ -1,8 +1,8 @@
 """bench/serve.py end to end, shortened: it starts a real ``tandem serve`` (the built-in
 ``tiny`` model), sends a few streamed chat requests with images at fixed concurrency and
-at a Poisson rate, stops it, and writes its JSON report; the report's counts, per-request
-timings and the engine's startup figures are checked (no timing thresholds: this machine's
-speed is not the test's subject)."""
+at a Poisson rate, each quiet and beside a CPU hog, stops it, and writes its JSON report;
+the report's counts, per-request timings and the engine's startup figures are checked (no
+timing thresholds: this machine's speed is not the test's subject)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ def test_serve_bench_reports_every_request(tmp_path: Path) -> None:
         [sys.executable, "bench/serve.py", "--engines", "tandem", "--model", "tiny",
          "--workload", "image-new-prefix", "--num-prompts", str(prompts), "--input-len", "8",
          "--output-len", str(tokens), "--concurrency", "2", "--request-rate", "50",
-         "--rounds", "1", "--warmup", "1", "--slo-ttft-ms", "600000", "--out", str(out)],
-        cwd=ROOT, check=True, timeout=120)
+         "--rounds", "1", "--warmup", "1", "--slo-ttft-ms", "600000", "--hog",
+         "--out", str(out)],
+        cwd=ROOT, check=True, timeout=300)
     report = json.loads(out.read_text())
-    assert report["loads"] == ["2 clients", "50 req/s"]
+    loads = ["2 clients", "50 req/s", "2 clients + CPU hog", "50 req/s + CPU hog"]
+    assert report["loads"] == loads
     assert [(run["engine"], run["load"]) for run in report["runs"]] == [
-        ("tandem", "2 clients"), ("tandem", "50 req/s")]
+        ("tandem", load) for load in loads]
     for run in report["runs"]:
         s = run["summary"]
         assert (s["completed"], s["failed"]) == (prompts, 0)
@@ -41,4 +43,9 @@ def test_serve_bench_reports_every_request(tmp_path: Path) -> None:
     (startup,) = report["startups"]
     assert startup["startup_s"] > 0
     assert startup["peak_rss_bytes"] >= startup["peak_pss_bytes"] > 0
-    assert set(report["summary"]["medians"]) == {"tandem | 2 clients", "tandem | 50 req/s"}
+    assert set(report["summary"]["medians"]) == {f"tandem | {load}" for load in loads}
+    # beside the hog, the same requests: the same greedy text
+    texts = {run["load"]: [r["text"] for r in run["requests"]] for run in report["runs"]}
+    assert texts["2 clients"] == texts["2 clients + CPU hog"]
+    hog = report["summary"]["ratios"]["tandem hog/quiet | 2 clients"]["output_throughput"]
+    assert hog > 0

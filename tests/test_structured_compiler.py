@@ -21,7 +21,7 @@ from tandem.structured import (
 )
 from tandem.text import ByteTokenizer
 from tandem.text.byte_tokenizer import EOS_ID, VOCAB_SIZE
-from worker_svc.sampler import unpack_token_masks
+from worker_svc.sampler import refused_tokens
 
 
 class CountingBackend:
@@ -40,8 +40,8 @@ class CountingBackend:
 
 
 def _allowed(mask: bytes) -> set[int]:
-    bits = unpack_token_masks([mask], VOCAB_SIZE, torch.device("cpu"))[0]
-    return set(torch.nonzero(bits).flatten().tolist())
+    bits = refused_tokens({0: mask}, 1, VOCAB_SIZE, torch.device("cpu"))[0]
+    return set(torch.nonzero(~bits).flatten().tolist())
 
 
 def test_same_spec_compiles_once_and_errors_are_cached() -> None:
@@ -130,11 +130,12 @@ def test_masks_filled_together_are_each_matchers_own() -> None:
     assert _allowed(together[3]) == {ord("c")}
 
 
-def test_unpacked_masks_refuse_tokens_past_the_bitmap() -> None:
+def test_unpacked_masks_refuse_tokens_past_the_bitmap_and_nothing_in_unmasked_rows() -> None:
     mask = (1 | 1 << 31).to_bytes(4, "little") + (1 << 2).to_bytes(4, "little")  # 0, 31, 34
-    rows = unpack_token_masks([mask, mask[:4]], 70, torch.device("cpu"))
-    assert rows.shape == (2, 70)
+    rows = ~refused_tokens({0: mask, 2: mask[:4]}, 3, 70, torch.device("cpu"))
+    assert rows.shape == (3, 70)
     assert torch.nonzero(rows[0]).flatten().tolist() == [0, 31, 34]
-    assert torch.nonzero(rows[1]).flatten().tolist() == [0, 31]
-    assert unpack_token_masks([mask], 33, torch.device("cpu"))[0].tolist() == (
+    assert rows[1].all()  # no mask: every token allowed
+    assert torch.nonzero(rows[2]).flatten().tolist() == [0, 31]
+    assert (~refused_tokens({0: mask}, 1, 33, torch.device("cpu")))[0].tolist() == (
         [True] + [False] * 30 + [True, False])

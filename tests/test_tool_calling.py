@@ -11,14 +11,17 @@
   guarantees it, whatever the weights), streamed as OpenAI streams them, ``finish_reason``
   ``tool_calls``; ``auto`` and ``none``; a conversation with calls and results; bad
   requests are 400 with the field at fault; the router's HTTP port in front of the cell.
+* ``parallel_tool_calls: false`` with ``auto``: of two calls the model wrote, the first is
+  returned, whole and streamed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -29,6 +32,7 @@ import pytest
 from hf_checkpoints import reference, save
 
 from router_svc.server import RouterConfig
+from tandem.openai_api import convert, schema
 from tandem.openai_api.http_server import HttpConfig
 from tandem.openai_api.tool_calls import (
     PARSERS,
@@ -39,6 +43,7 @@ from tandem.openai_api.tool_calls import (
 )
 from tandem.structured import Constraint, GuidanceBackend
 from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
+from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, free_port, running_cell
 from tandem_testing.router import running_router
 from tandem_testing.text_checkpoints import qwen2_5_dir, reference_tokenizer
@@ -103,6 +108,37 @@ def test_parsers_read_known_outputs_whole_and_split_anywhere(
         got = _streamed(kind, [text[:cut], text[cut:]])
         assert (got[0] or None, got[1]) == (content, calls), cut
     assert _streamed(kind, list(text))[:2] == ((content or ""), calls)
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_parallel_tool_calls_false_returns_the_first_call_whole_and_streamed(
+        parallel: bool | None) -> None:
+    req = schema.ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": USER, "tools": TOOLS, "parallel_tool_calls": parallel})
+    pieces = [HERMES[i:i + 7] for i in range(0, len(HERMES), 7)]
+    msgs = [generate_pb2.GenerateResponse(request_id="r", text=t) for t in pieces]
+    msgs[-1].finish_reason = generate_pb2.FINISH_REASON_STOP
+    meta = convert.ResponseMeta.new("chatcmpl", "r", "m")
+    wanted = KNOWN[0][3][:1 if parallel is False else None]
+    whole = convert.chat_completion(msgs, meta, False, "hermes", convert.max_tool_calls(req))
+    message = whole.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == wanted
+    assert (message.content, whole.choices[0].finish_reason) == ("Let me look.", "tool_calls")
+
+    async def stream() -> list[schema.ChatCompletionChunk]:
+        async def responses() -> AsyncIterator[generate_pb2.GenerateResponse]:
+            for m in msgs:
+                yield m
+        return [c async for c in convert.chat_chunks(
+            responses(), meta, False, False, "hermes", convert.max_tool_calls(req))]
+
+    calls: dict[int, list[str]] = {}
+    for chunk in asyncio.run(stream()):
+        for d in chunk.choices[0].delta.tool_calls or ():
+            calls.setdefault(d["index"], ["", ""])
+            calls[d["index"]][0] += d["function"].get("name", "")
+            calls[d["index"]][1] += d["function"]["arguments"]
+    assert [tuple(c) for c in calls.values()] == wanted
 
 
 @pytest.mark.parametrize("kind", PARSERS)

@@ -27,6 +27,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1  # ranks sharing one copy of the model (divides world_size)
     tp_master_addr: str = "127.0.0.1"  # host of worker 0, where the TP ranks meet
     tp_master_port: int = 29500
+    threads: int = 0  # torch intra-op threads; 0: every CPU the process may use (tandem.cpus)
     # SIGTERM: steps of a scheduler still streaming run this long (tandem.shutdown)
     shutdown_grace_s: float = DEFAULT_GRACE_S
 
@@ -37,6 +38,8 @@ class WorkerConfig:
             raise ValueError("block_size and kv_cache_bytes must be positive")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype {self.dtype!r} is not auto, bfloat16, float16 or float32")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: every usable CPU), not {self.threads}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.tensor_parallel_size < 1 or self.world_size % self.tensor_parallel_size:

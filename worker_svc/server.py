@@ -21,6 +21,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from tandem.cpus import usable_cpus
 from tandem.errors import InvalidInput, ResourceExhausted, TandemError, Unavailable, reported
 from tandem.feature_codec import descriptor_from_proto
 from tandem.grpc_server import GrpcServer
@@ -329,8 +330,19 @@ class RunningWorker:
     metrics: MetricsEndpoint | None = None
 
 
+def set_thread_budget(config: WorkerConfig) -> int:
+    """torch's threads for this worker: ``config.threads``, else every CPU it may use
+    (:func:`tandem.cpus.usable_cpus`: the affinity capped by the container's CPU quota,
+    which torch's own default ignores)."""
+    threads = config.threads or usable_cpus()
+    torch.set_num_threads(threads)
+    return threads
+
+
 async def create_server(config: WorkerConfig) -> RunningWorker:
     """Start serving now (health NOT_SERVING); load and warm up in the background."""
+    threads = set_thread_budget(config)
+    log.info("worker %d: %d torch threads", config.rank, threads)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
     servicer = WorkerServicer(config, executor)
     server = GrpcServer.create(SERVICE_NAME, [

@@ -39,14 +39,16 @@ class ServingContainer:
     `env` and `user_env`, and the health port after the public one.
     """
 
-    role: str  # scheduler | worker | router: the container's name and `tandem <role>`
+    role: str  # scheduler | worker | router | epp: the container's name and `tandem <role>`
     image: str
     config_map: str  # the ConfigMap of its TANDEM_* settings (envFrom)
     resources: Mapping[str, Any]  # requests and limits, as container_resources() builds them
     mounts: Sequence[Mapping[str, Any]]  # every volume mount, SCRATCH_MOUNT included
     ready_service: str  # grpc.health.v1 service its readiness asks for ("" = overall)
+    live_service: str = ""  # the service its startup and liveness probes ask for
     public_port: bool = False  # serves Generate on spec.scheduler.port (scheduler, router)
     metrics_port: int | None = None  # its Prometheus port, when it has one
+    own_ports: Sequence[Mapping[str, Any]] = ()  # ports of its own (the EPP's ext_proc)
     env: Sequence[Mapping[str, Any]] = ()  # its own variables
     user_env: Sequence[tuple[str, str]] = ()  # the spec's (name, value) pairs, last
     cell: int | None = None  # its cell, in OTEL_RESOURCE_ATTRIBUTES
@@ -57,7 +59,7 @@ def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def probes(spec: TandemSpec, ready_service: str) -> dict[str, Any]:
+def probes(spec: TandemSpec, ready_service: str, live_service: str = "") -> dict[str, Any]:
     """Native gRPC probes on grpc.health.v1 at the health-only port (kubelet probes speak no
     TLS, and must not need the worker's unauthenticated Step API on the network).
 
@@ -66,9 +68,10 @@ def probes(spec: TandemSpec, ready_service: str) -> dict[str, Any]:
     only once the scheduler's workers are attached); startup allows a long model load.
     """
     return {
-        "startupProbe": _grpc_probe(HEALTH_PORT, "", 5, spec.startup_failure_threshold),
+        "startupProbe": _grpc_probe(HEALTH_PORT, live_service, 5,
+                                    spec.startup_failure_threshold),
         "readinessProbe": _grpc_probe(HEALTH_PORT, ready_service, 5, 3),
-        "livenessProbe": _grpc_probe(HEALTH_PORT, "", 10, 6),
+        "livenessProbe": _grpc_probe(HEALTH_PORT, live_service, 10, 6),
     }
 
 
@@ -141,6 +144,7 @@ def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
              ] if c.public_port else []
     if c.public_port and spec.http.enabled:
         ports.append({"name": "http", "containerPort": spec.http.port, "protocol": "TCP"})
+    ports.extend(dict(p) for p in c.own_ports)
     ports.append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
     if c.metrics_port is not None:
         ports.append({"name": "metrics", "containerPort": c.metrics_port, "protocol": "TCP"})
@@ -159,7 +163,7 @@ def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
         "volumeMounts": [dict(m) for m in c.mounts],
         "securityContext": container_security(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
-        **probes(spec, c.ready_service),
+        **probes(spec, c.ready_service, c.live_service),
     }
 
 

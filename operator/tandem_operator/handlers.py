@@ -1,8 +1,8 @@
 """The kopf handlers: one decorator, one small function, each a guard and a delegation.
 
 - resume/create/update(spec) `reconcile`: place the cells, then one sub-handler per cell
-  (`cell-<i>`, rolled one at a time), `services` (and the router with several cells) and
-  `prune` (scale-down).
+  (`cell-<i>`, rolled one at a time), `services` (and the routing: router, endpoint picker,
+  pools, Envoy) and `prune` (scale-down).
 - timer `observe`: repair colocation and publish the level-based status.
 - timer `watch_caches`: read the cells' CacheStats, judge cache sizes and leaking references,
   apply autoSize (cache_watch.py).
@@ -202,7 +202,7 @@ async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.S
 
 async def services_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
                            memo: kopf.Memo, **_: Any) -> None:
-    """Sub-handler `services`: the Services and the router over the recorded cells."""
+    """Sub-handler `services`: the Services and the routing over the recorded cells."""
     await apply_front(memo["kube"], body, parse_spec(name, namespace, spec),
                       memo["tandem_state"])
 
@@ -219,7 +219,7 @@ async def observe(name: str, namespace: str, spec: kopf.Spec, status: kopf.Statu
                   meta: kopf.Meta, body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch,
                   node_index: kopf.Index[str, NodeInfo], pod_load_index: kopf.Index[str, PodLoad],
                   tandem_pod_index: PodIndex, **_: Any) -> None:
-    """Level-based pass: repair colocation, converge the Service and the router, then
+    """Level-based pass: repair colocation, converge the Service and the routing, then
     publish status recomputed from the pods."""
     with handler_span("observe", namespace, name):
         try:

@@ -19,7 +19,41 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 _MERGE_PATCH = "application/merge-patch+json"
-_KINDS = {  # kind -> (API class, method suffix)
+
+
+class InferencePoolApi:
+    """The namespaced calls of the Gateway API Inference Extension's InferencePool, in the
+    typed APIs' shape (`<verb>_namespaced_inference_pool`), over the custom objects API."""
+
+    _WHERE = ("inference.networking.k8s.io", "v1")
+    _PLURAL = "inferencepools"
+
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self._api = kubernetes.client.CustomObjectsApi(client)
+
+    def create_namespaced_inference_pool(self, namespace: str, body: Any, **kw: Any) -> Any:
+        return self._api.create_namespaced_custom_object(*self._WHERE, namespace,
+                                                         self._PLURAL, body, **kw)
+
+    def patch_namespaced_inference_pool(self, name: str, namespace: str, body: Any,
+                                        **kw: Any) -> Any:
+        return self._api.patch_namespaced_custom_object(*self._WHERE, namespace,
+                                                        self._PLURAL, name, body, **kw)
+
+    def delete_namespaced_inference_pool(self, name: str, namespace: str, **kw: Any) -> Any:
+        return self._api.delete_namespaced_custom_object(*self._WHERE, namespace,
+                                                         self._PLURAL, name, **kw)
+
+    def read_namespaced_inference_pool(self, name: str, namespace: str) -> Any:
+        return self._api.get_namespaced_custom_object(*self._WHERE, namespace, self._PLURAL,
+                                                      name)
+
+    def list_namespaced_inference_pool(self, namespace: str, **kw: Any) -> Any:
+        return self._api.list_namespaced_custom_object(*self._WHERE, namespace,
+                                                       self._PLURAL, **kw)
+
+
+_KINDS: dict[str, tuple[Any, str]] = {  # kind -> (API class, method suffix)
     "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
@@ -27,6 +61,7 @@ _KINDS = {  # kind -> (API class, method suffix)
     "StatefulSet": (kubernetes.client.AppsV1Api, "namespaced_stateful_set"),
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Job": (kubernetes.client.BatchV1Api, "namespaced_job"),
+    "InferencePool": (InferencePoolApi, "namespaced_inference_pool"),
 }
 
 
@@ -58,7 +93,7 @@ def _rejected(e: ApiException, call: str) -> Rejected:
 
 class KubeApi:
     """Create-or-update, delete and read for ConfigMaps, Services, Pods, StatefulSets,
-    Deployments, Jobs; read for Secrets."""
+    Deployments, Jobs, InferencePools; read for Secrets."""
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client
@@ -114,7 +149,11 @@ class KubeApi:
 
     def _delete(self, kind: str, namespace: str, name: str) -> None:
         try:
-            self._method("delete", kind)(name, namespace, propagation_policy="Background")
+            # The answer is not read (nothing needs it): its shape differs by kind and server
+            # (a Status where the typed client expects the deleted Service), and the typed
+            # client fails to deserialize what it does not expect.
+            self._method("delete", kind)(name, namespace, propagation_policy="Background",
+                                         _preload_content=False)
         except ApiException as e:
             if e.status != 404:
                 raise _rejected(e, f"deleting {kind} {namespace}/{name}") from e

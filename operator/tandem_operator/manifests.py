@@ -25,6 +25,12 @@ GENERATION = "tandem.dev/segment-generation"
 NODE = "tandem.dev/node"  # on StatefulSets: the node their cell was placed on
 CELL_LABEL = "tandem.dev/cell"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# On the schedulers' pods: which metric names an endpoint picker of the Gateway API Inference
+# Extension (and llm-d's, which renamed the key) reads. The schedulers export the model-server
+# protocol's gauges under vLLM's names (tandem.metrics), so the value names that dialect; it is
+# also what a picker assumes without the label.
+ENGINE_TYPE_LABELS = {"inference.networking.k8s.io/engine-type": "vllm",
+                      "llm-d.ai/engine-type": "vllm"}
 
 
 def child_name(spec: TandemSpec, cell: int, role: str) -> str:
@@ -193,13 +199,14 @@ def build_configmap(spec: TandemSpec, cell: Cell) -> dict[str, Any]:
     }
 
 
-def build_service(spec: TandemSpec, headless: bool = False, routed: bool = False,
+def build_service(spec: TandemSpec, headless: bool = False, front: str = "scheduler",
                   ) -> dict[str, Any]:
-    """Generate for clients: across all cells' schedulers, or through the router when
-    `routed` (the caller sets it once the router is available). The headless twin always lists
-    the scheduler pods: clients that balance on their own (gRPC `round_robin` over
-    `dns:///<name>-headless`) and the router reach the cells through it."""
-    target = "router" if routed and not headless else "scheduler"
+    """Generate for clients: across all cells' schedulers, or through the `front` component
+    (router, Envoy: the caller names it once it is available; its pods name their ports
+    `grpc` and `http` too). The headless twin always lists the scheduler pods: clients that
+    balance on their own (gRPC `round_robin` over `dns:///<name>-headless`), the router and the
+    endpoint picker reach the cells through it."""
+    target = "scheduler" if headless else front
     svc_spec: dict[str, Any] = {
         "selector": selector_labels(spec, target),
         "ports": [{"name": "grpc", "port": spec.scheduler.port, "targetPort": "grpc",

@@ -8,7 +8,7 @@ KubeApi, and everything kopf-specific (errors, events, adoption) stays visible h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,20 @@ from tandem_operator.conditions import (
     fold_verdicts,
     observe_cell,
     render_conditions,
+)
+from tandem_operator.gateway import (
+    GRPC_POOL,
+    HTTP_POOL,
+    build_envoy_configmap,
+    build_envoy_deployment,
+    build_epp_configmap,
+    build_epp_deployment,
+    build_epp_service,
+    build_inference_pool,
+    envoy_name,
+    epp_name,
+    pool_name,
+    pools,
 )
 from tandem_operator.kube import KubeApi, Rejected
 from tandem_operator.manifests import (
@@ -44,24 +58,29 @@ from tandem_operator.placement import INSTANCE_LABEL, Cell, NodeInfo, PodLoad, p
 from tandem_operator.router import (
     build_router_configmap,
     build_router_deployment,
-    router_available,
+    front_available,
     router_name,
 )
 from tandem_operator.spec import TandemSpec
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
+# The Deployment of each component a Service may front the cells with (TandemSpec.front).
+FRONT_NAMES: dict[str, Callable[[TandemSpec], str]] = {"router": router_name,
+                                                        "envoy": envoy_name}
+
 
 @dataclass(frozen=True)
 class Front:
-    """What clients reach: whether the Service points at the router, and the cells the
-    router lists (none without a router)."""
+    """What clients reach: the component the Service points at (TandemSpec.front), and the
+    cells the router or the endpoint picker lists (none without either)."""
 
-    routed: bool
+    target: str
     cells: tuple[int, ...]
 
     @classmethod
     def wanted(cls, spec: TandemSpec, cells: Sequence[Cell]) -> Front:
-        return cls(True, tuple(c.index for c in cells)) if spec.routed else cls(False, ())
+        listed = tuple(c.index for c in cells) if spec.routed or spec.routing.picked else ()
+        return cls(spec.front, listed)
 
 
 @dataclass
@@ -200,28 +219,59 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
 
 async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
                          cells: Sequence[Cell]) -> Front:
-    """Apply the Services, and the router when `spec.routed`; return the Front applied.
+    """Apply the Services and what the routing mode runs in front of the cells (the router,
+    the endpoint picker with InferencePools or with Envoy); delete what it does not run.
+    Return the Front applied.
 
-    The Service moves to the router only once a router pod is available (until then it keeps
-    balancing over the schedulers), and back to the schedulers before the router is deleted.
+    The Service moves to the router (or Envoy) only once one of its pods is available (until
+    then it keeps balancing over the schedulers), and back to the schedulers before it is
+    deleted.
     """
-    routed = False
+    front: list[dict[str, Any]] = []
     if spec.routed:
-        router = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
-        kopf.adopt(router, owner=owner)
-        for obj in router:
-            await kube.apply(obj)
-        routed = router_available(await kube.read("Deployment", spec.namespace,
-                                                  router_name(spec)))
-    objs = [build_service(spec, routed=routed), build_service(spec, headless=True),
+        front = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
+    if spec.routing.picked:
+        front = [build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
+                 build_epp_service(spec)]
+    if spec.front == "envoy":
+        front = [*front, build_envoy_configmap(spec), build_envoy_deployment(spec)]
+    kopf.adopt(front, owner=owner)
+    for obj in front:
+        await kube.apply(obj)
+    wanted_pools = pools(spec) if spec.routing.mode == "gateway" else []
+    for name, protocol, port in wanted_pools:
+        pool = build_inference_pool(spec, name, protocol, port)
+        kopf.adopt(pool, owner=owner)
+        await kube.apply(pool)
+    target = "scheduler"
+    if spec.front != "scheduler" and front_available(await kube.read(
+            "Deployment", spec.namespace, FRONT_NAMES[spec.front](spec))):
+        target = spec.front
+    objs = [build_service(spec, front=target), build_service(spec, headless=True),
             build_workers_service(spec)]
     kopf.adopt(objs, owner=owner)
     for obj in objs:
         await kube.apply(obj)
-    if not spec.routed:  # already gone is fine
+    await _delete_unused_routing(kube, spec, {name for name, _, _ in wanted_pools})
+    return Front(target, Front.wanted(spec, cells).cells)
+
+
+async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: set[str]) -> None:
+    """What another routing mode (or an earlier spec) left: already gone is fine, and so is
+    an InferencePool kind the cluster does not know (404 either way)."""
+    if not spec.routed:
         await kube.delete("Deployment", spec.namespace, router_name(spec))
         await kube.delete("ConfigMap", spec.namespace, router_name(spec))
-    return Front(routed, Front.wanted(spec, cells).cells)
+    if spec.front != "envoy":
+        await kube.delete("Deployment", spec.namespace, envoy_name(spec))
+        await kube.delete("ConfigMap", spec.namespace, envoy_name(spec))
+    if not spec.routing.picked:
+        await kube.delete("Deployment", spec.namespace, epp_name(spec))
+        await kube.delete("ConfigMap", spec.namespace, epp_name(spec))
+        await kube.delete("Service", spec.namespace, epp_name(spec))
+    for protocol in (GRPC_POOL[0], HTTP_POOL[0]):
+        if pool_name(spec, protocol) not in kept_pools:
+            await kube.delete("InferencePool", spec.namespace, pool_name(spec, protocol))
 
 
 async def apply_front(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,

@@ -65,26 +65,32 @@ def router_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec) | http_config(spec)
 
 
-def cell_tls_config(spec: TandemSpec) -> dict[str, str]:
-    """How the router reaches TLS cells: it trusts the CA of their certificate (the Secret's
-    `ca.crt`) and, when they ask for client certificates, presents that same certificate
-    (the cells' client CA must have signed it)."""
+def cell_tls_config(spec: TandemSpec, prefix: str = "ROUTER") -> dict[str, str]:
+    """How the router (or, with `prefix` EPP, the endpoint picker: they share these flags
+    under their own TANDEM_<prefix>_* names) reaches TLS cells: it trusts the CA of their
+    certificate (the Secret's `ca.crt`) and, when they ask for client certificates, presents
+    that same certificate (the cells' client CA must have signed it)."""
     if not spec.tls.enabled:
         return {}
-    data = {"TANDEM_ROUTER_CELL_TLS_CA": f"{TLS_DIR}/ca.crt"}
+    data = {f"TANDEM_{prefix}_CELL_TLS_CA": f"{TLS_DIR}/ca.crt"}
     if spec.tls.client_ca_secret_name:
-        data |= {"TANDEM_ROUTER_CELL_TLS_CERT": f"{TLS_DIR}/tls.crt",
-                 "TANDEM_ROUTER_CELL_TLS_KEY": f"{TLS_DIR}/tls.key"}
+        data |= {f"TANDEM_{prefix}_CELL_TLS_CERT": f"{TLS_DIR}/tls.crt",
+                 f"TANDEM_{prefix}_CELL_TLS_KEY": f"{TLS_DIR}/tls.key"}
     return data
 
 
 def build_router_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
-    data = router_config(spec, cells)
+    return build_settings_configmap(spec, router_name(spec), "router", router_config(spec, cells))
+
+
+def build_settings_configmap(spec: TandemSpec, name: str, component: str,
+                             data: dict[str, str]) -> dict[str, Any]:
+    """The TANDEM_* settings of a Deployment in front of the cells (router, EPP)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
-                     "labels": labels(spec, "router"),
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": labels(spec, component),
                      "annotations": {CONFIG_HASH: config_hash(data)}},
         "data": data,
     }
@@ -103,27 +109,36 @@ def _container(spec: TandemSpec) -> dict[str, Any]:
 def build_router_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
     pod_spec = serving_pod_spec(spec, "router", [_container(spec)],
                                 [scratch_volume(), *tls_volumes(spec)[0]])
+    return build_front_deployment(spec, router_name(spec), "router", spec.router.replicas,
+                                  pod_spec, router_config(spec, cells))
+
+
+def build_front_deployment(spec: TandemSpec, name: str, component: str, replicas: int,
+                           pod_spec: dict[str, Any], config: dict[str, str]) -> dict[str, Any]:
+    """A stateless Deployment in front of the cells (router, EPP, Envoy): surge first, so
+    one replica always serves; the hash of its `config` on the pod template rolls it when
+    the config changes."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": router_name(spec), "namespace": spec.namespace,
-                     "labels": labels(spec, "router")},
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": labels(spec, component)},
         "spec": {
-            "replicas": spec.router.replicas,
-            "selector": {"matchLabels": selector_labels(spec, "router")},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(spec, component)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels(spec, "router"), "annotations": {
-                    CONFIG_HASH: config_hash(router_config(spec, cells))}},
+                "metadata": {"labels": labels(spec, component), "annotations": {
+                    CONFIG_HASH: config_hash(config)}},
                 "spec": pod_spec,
             },
         },
     }
 
 
-def router_available(deployment: Mapping[str, Any] | None) -> bool:
-    """Whether a router pod is Ready to take the Service's traffic (during a roll the old
-    replicas still count: surge-first keeps one available)."""
+def front_available(deployment: Mapping[str, Any] | None) -> bool:
+    """Whether a pod of a front Deployment (router, Envoy) is Ready to take the Service's
+    traffic (during a roll the old replicas still count: surge-first keeps one available)."""
     status = (deployment or {}).get("status") or {}
     return int(status.get("availableReplicas") or 0) > 0

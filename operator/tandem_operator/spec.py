@@ -150,6 +150,32 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """A Deployment of the routing: its pods and their requests and limits."""
+
+    replicas: int
+    resources: Resources
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How clients reach the cells (docs/routing.md): `router` (spec.router), `gateway`
+    (InferencePools and `tandem epp` for the cluster's gateway) or `standalone` (the same
+    endpoint picker behind an Envoy of the operator's)."""
+
+    mode: str
+    failure_mode: str  # FailClose | FailOpen: the gateway's answer while the picker is out
+    epp: Workload
+    envoy: Workload
+    envoy_image: str
+
+    @property
+    def picked(self) -> bool:
+        """Whether `tandem epp` picks the cells (gateway and standalone modes)."""
+        return self.mode != "router"
+
+
+@dataclass(frozen=True)
 class TlsSpec:
     """Secrets for TLS on the public port ("" = none); a client CA needs the certificate."""
 
@@ -194,6 +220,7 @@ class TandemSpec:
     run_as_group: int
     tracing: TracingSpec
     router: RouterSpec
+    routing: RoutingSpec
     tls: TlsSpec
     http: HttpSpec
     shutdown_grace: float  # seconds running streams may finish on SIGTERM
@@ -204,8 +231,17 @@ class TandemSpec:
 
     @property
     def routed(self) -> bool:
-        """Whether a router fronts the cells: enabled, and more than one cell to choose from."""
-        return self.router.enabled and self.cells > 1
+        """Whether a router fronts the cells: router mode, enabled, and more than one cell to
+        choose from."""
+        return self.routing.mode == "router" and self.router.enabled and self.cells > 1
+
+    @property
+    def front(self) -> str:
+        """The component clients reach through the Service, once it is available: the
+        router, standalone routing's Envoy, or the schedulers themselves."""
+        if self.routed:
+            return "router"
+        return "envoy" if self.routing.mode == "standalone" else "scheduler"
 
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
@@ -241,6 +277,16 @@ def _worker(image: Mapping[str, Any], wrk: Mapping[str, Any]) -> WorkerSpec:
         resources=_resources(wrk["resources"]),
         env=_env(wrk.get("env")),
     )
+
+
+def _workload(raw: Mapping[str, Any]) -> Workload:
+    return Workload(raw["replicas"], _resources(raw["resources"]))
+
+
+def _routing(raw: Mapping[str, Any]) -> RoutingSpec:
+    return RoutingSpec(mode=raw["mode"], failure_mode=raw["failureMode"],
+                       epp=_workload(raw["epp"]), envoy=_workload(raw["envoy"]),
+                       envoy_image=raw["envoy"]["image"])
 
 
 def _cache(fc: Mapping[str, Any]) -> FeatureCacheSpec:
@@ -297,6 +343,7 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
             load_factor=float(s["router"]["loadFactor"]),
             resources=_resources(s["router"]["resources"]),
         ),
+        routing=_routing(s["routing"]),
         tls=TlsSpec(s["tls"].get("secretName", ""), s["tls"].get("clientCASecretName", "")),
         http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
         shutdown_grace=float(s.get("shutdownGraceSeconds", DEFAULT_GRACE_S)),
@@ -364,6 +411,10 @@ def _check_rules(s: TandemSpec) -> None:
                         "multiple of worker.tensorParallelSize "
                         f"({s.worker.tensor_parallel_size}): each group of that many workers "
                         "shares one copy of the model")
+    if s.routing.mode == "standalone" and s.tls.enabled:
+        raise SpecError("routing.mode standalone serves plaintext: its Envoy has no TLS "
+                        "listener, and tls.secretName asks for TLS on the Service; use "
+                        "routing.mode router, or gateway with the gateway's TLS")
     if s.tls.client_ca_secret_name and not s.tls.enabled:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")

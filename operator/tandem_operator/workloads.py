@@ -24,6 +24,7 @@ from tandem_operator.manifests import (
     CELL_MOUNT,
     COMPONENT_LABEL,
     CONFIG_HASH,
+    ENGINE_TYPE_LABELS,
     GENERATION,
     NODE,
     SCHEDULER_METRICS_PORT,
@@ -190,9 +191,12 @@ def build_pod_template(spec: TandemSpec, cell: Cell, component: str) -> dict[str
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.placement.tolerations]
+    pod_labels = labels(spec, component, cell.index)
+    if component == "scheduler":
+        pod_labels |= ENGINE_TYPE_LABELS
     return {
         "metadata": {
-            "labels": labels(spec, component, cell.index),
+            "labels": pod_labels,
             "annotations": {CONFIG_HASH: config_hash(cell_config(spec, cell)),
                             GENERATION: str(cell.generation)},
         },

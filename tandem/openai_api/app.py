@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -62,9 +63,13 @@ class _Disconnected(Exception):
 
 
 def create_app(backend: Backend, max_body_bytes: int,
-               fetcher: RemoteImageFetcher | None = None) -> FastAPI:
+               fetcher: RemoteImageFetcher | None = None,
+               metrics: CollectorRegistry | None = None) -> FastAPI:
     """The app over ``backend``, refusing bodies over ``max_body_bytes``; ``fetcher`` set
-    = remote image URLs are allowed."""
+    = remote image URLs are allowed; ``metrics`` set (the scheduler's --http-metrics) =
+    ``GET /metrics`` serves them too, as vLLM serves its own on its API port: where an
+    inference extension's endpoint picker scrapes a pool's target port by default
+    (docs/routing.md)."""
     # NOTE: FastAPI's own OpenTelemetry (on by default since 0.142) is off: its logs record
     # validation failures with the input, and prompts never go into telemetry here;
     # ServerSpans makes the one server span, the twin of the gRPC port's.
@@ -106,6 +111,13 @@ def create_app(backend: Backend, max_body_bytes: int,
             return _error_response(exc)
         return JSONResponse(schema.dump(convert.model_list(info, started)))
 
+    if metrics is not None:
+        registry = metrics
+
+        @app.get("/metrics", response_model=None)
+        async def scrape() -> Response:  # on the loop: one consistent snapshot, no locks
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 
@@ -136,19 +148,21 @@ async def _complete(request: Request, backend: Backend,
         return _error_response(exc)
     except Exception as exc:
         return _error_response(exc)
-    parser = (convert.tool_parser(body, info.tool_call_parser)
-              if isinstance(body, schema.ChatCompletionRequest) else None)
+    parser, max_calls = ((convert.tool_parser(body, info.tool_call_parser),
+                          convert.max_tool_calls(body))
+                         if isinstance(body, schema.ChatCompletionRequest) else (None, None))
     if not body.stream:
         meta = convert.ResponseMeta.new(prefix, msgs[0].request_id, info.model_id)
-        answer: BaseModel = (convert.chat_completion(msgs, meta, with_logprobs, parser) if chat
-                             else convert.completion(msgs, meta, with_logprobs))
+        answer: BaseModel = (
+            convert.chat_completion(msgs, meta, with_logprobs, parser, max_calls) if chat
+            else convert.completion(msgs, meta, with_logprobs))
         return JSONResponse(schema.dump(answer),
                             headers={REQUEST_ID_HEADER: msgs[0].request_id})
     meta = convert.ResponseMeta.new(prefix, first.request_id, info.model_id)
     usage = body.stream_options is not None and body.stream_options.include_usage
     responses = _prepend(first, stream)
     chunks: AsyncIterator[BaseModel] = (
-        convert.chat_chunks(responses, meta, with_logprobs, usage, parser) if chat
+        convert.chat_chunks(responses, meta, with_logprobs, usage, parser, max_calls) if chat
         else convert.completion_chunks(responses, meta, with_logprobs, usage))
     return StreamingResponse(_events(chunks, stream), media_type="text/event-stream",
                              headers={REQUEST_ID_HEADER: first.request_id,
@@ -293,7 +307,7 @@ class ServerSpans:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not tracing.enabled():
+        if scope["type"] != "http" or not tracing.enabled() or scope["path"] == "/metrics":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}

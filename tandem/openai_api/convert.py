@@ -162,6 +162,13 @@ def _tools(req: schema.ChatCompletionRequest, msg: generate_pb2.GenerateRequest,
         several=choice == "required" and req.parallel_tool_calls is not False)
 
 
+def max_tool_calls(req: schema.ChatCompletionRequest) -> int | None:
+    """``parallel_tool_calls: false`` returns one call (a forced one is also generated
+    alone: :func:`call_grammar`'s ``several``); with ``auto``, calls the model writes past
+    the first are dropped, as vLLM drops them."""
+    return 1 if req.parallel_tool_calls is False else None
+
+
 def forces_call(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> bool:
     """Whether ``tool_choice`` forces a call (``required`` or a named function): then the
     request's constraint is the grammar of the calls, and a schema it refuses is in
@@ -409,14 +416,16 @@ def completion_logprobs(positions: Sequence[generate_pb2.PositionLogprobs],
 
 def chat_completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta,
                     with_logprobs: bool, parser: ParserKind | None = None,
-                    ) -> schema.ChatCompletion:
+                    max_calls: int | None = None) -> schema.ChatCompletion:
     """A whole (non-streamed) chat completion from the request's response messages;
-    ``parser`` reads tool calls out of the text (None: the text is the content)."""
+    ``parser`` reads tool calls out of the text (None: the text is the content), of which
+    the first ``max_calls`` are returned (:func:`max_tool_calls`)."""
     last = msgs[-1]
     content: str | None = "".join(m.text for m in msgs)
     calls = []
     if parser is not None:
         content, calls = parse_whole(parser, content)
+        calls = calls[:max_calls]
     return schema.ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[schema.ChatChoice(
@@ -458,12 +467,13 @@ def completion(msgs: Sequence[generate_pb2.GenerateResponse], meta: ResponseMeta
 
 async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: ResponseMeta,
                       with_logprobs: bool, include_usage: bool,
-                      parser: ParserKind | None = None,
+                      parser: ParserKind | None = None, max_calls: int | None = None,
                       ) -> AsyncIterator[schema.ChatCompletionChunk]:
     """The streamed form: a first chunk with the role, one per message that carries text
     or a finish reason, then (``include_usage``) one with no choices and the usage.
     With a tool-call ``parser``, a message's text becomes content and tool-call deltas
-    (text that may still begin a call is held back until it is known)."""
+    (text that may still begin a call is held back until it is known), those of the first
+    ``max_calls`` calls only."""
     calls = None if parser is None else ToolCallParser(parser)
 
     def chunk(delta: schema.Delta, msg: generate_pb2.GenerateResponse | None = None,
@@ -483,6 +493,7 @@ async def chat_chunks(msgs: AsyncIterator[generate_pb2.GenerateResponse], meta: 
         parsed = calls.feed(msg.text)
         if msg.finish_reason:
             parsed.content += calls.finish().content
+        parsed.calls = [d for d in parsed.calls if max_calls is None or d.index < max_calls]
         if not parsed.calls:
             return schema.Delta(content=parsed.content)
         return schema.Delta(content=parsed.content or None,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from tandem.openai_api.app import create_app
 from tandem.openai_api.backend import Backend
@@ -75,13 +76,15 @@ class HttpServer:
 
     @classmethod
     async def start(cls, backend: Backend, config: HttpConfig, tls: TlsFiles,
-                    max_body_bytes: int) -> HttpServer:
+                    max_body_bytes: int, metrics: CollectorRegistry | None = None,
+                    ) -> HttpServer:
         """Serve the app over ``backend`` on ``config.listen``, refusing request bodies
-        over ``max_body_bytes`` (:func:`tandem.request_limits.max_http_body_bytes`)."""
+        over ``max_body_bytes`` (:func:`tandem.request_limits.max_http_body_bytes`), with
+        ``GET /metrics`` when ``metrics`` is set."""
         fetcher = (RemoteImageFetcher(config.remote_images) if config.allow_remote_images
                    else None)
         try:
-            return await cls._start(create_app(backend, max_body_bytes, fetcher),
+            return await cls._start(create_app(backend, max_body_bytes, fetcher, metrics),
                                     config.listen, tls, fetcher)
         except BaseException:
             if fetcher is not None:

@@ -42,21 +42,27 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, delete]
-# A cell's children: created or merge-patched, deleted on scale-down (Services only by GC).
+# A cell's children: created or merge-patched, deleted on scale-down (the cells' Services only
+# by GC; the endpoint picker's when the routing changes).
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [create, patch]
+  verbs: [create, patch, delete]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [list, create, patch, delete]
-# The router in front of several cells: created or merge-patched, read until available, deleted
-# when one cell is left.
+# The router in front of several cells, and the endpoint picker of gateway and standalone
+# routing: created or merge-patched, read until available, deleted when the routing changes.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, delete]
+# Gateway routing's InferencePools (Gateway API Inference Extension): created or merge-patched,
+# deleted when the routing changes.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [create, patch, delete]
 # The TLS Secret of a service (tls.secretName), read to verify its cells' certificate when the
 # operator reads their CacheStats (cache sizing): get only, never list or watch.
 - apiGroups: [""]

@@ -1,0 +1,220 @@
+"""Pure builders for gateway and standalone routing (`spec.routing.mode`, docs/routing.md):
+the Gateway API Inference Extension's InferencePools over the schedulers, and `tandem epp`,
+the endpoint picker they name.
+
+Gateway mode: the cluster's gateway (Istio, kgateway, Envoy Gateway, ...) carries the bytes;
+an HTTPRoute or GRPCRoute sends them to a pool, and the gateway asks the pool's endpoint
+picker (over Envoy's ext_proc) which cell takes each request. One pool per application
+protocol, because a pool has one `appProtocol` for all its ports: h2c for `tandem.v1` gRPC,
+HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP knows the cells as
+the router does (every recorded cell, by its scheduler pod's DNS name), so it rolls on a
+change in the number of cells, never on placement.
+
+Standalone mode (no such gateway in the cluster): the same EPP, and an Envoy Deployment of
+the operator's in place of the router, configured by envoy.py's bootstrap builder; the
+Service moves to Envoy once it is available, as it moves to the router.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from tandem_operator.containers import (
+    HEALTH_PORT,
+    SCRATCH_MOUNT,
+    TERMINATION_MESSAGE_POLICY,
+    ServingContainer,
+    container_resources,
+    container_security,
+    scratch_volume,
+    serving_container,
+    serving_pod_spec,
+)
+from tandem_operator.envoy import envoy_bootstrap
+from tandem_operator.manifests import (
+    SCHEDULER_METRICS_PORT,
+    labels,
+    selector_labels,
+    service_name,
+    tls_config,
+    tls_volumes,
+    tracing_config,
+)
+from tandem_operator.placement import Cell
+from tandem_operator.router import (
+    build_front_deployment,
+    build_settings_configmap,
+    cell_address,
+    cell_tls_config,
+)
+from tandem_operator.spec import TandemSpec
+
+POOL_API = "inference.networking.k8s.io/v1"
+EPP_PORT = 9002  # the ext_proc port; GIE's default for an endpoint picker Service
+# The two application protocols of the cells: (pool name suffix, appProtocol).
+GRPC_POOL, HTTP_POOL = ("grpc", "kubernetes.io/h2c"), ("http", "http")
+ENVOY_DIR, ENVOY_FILE = "/etc/envoy", "envoy.json"  # Envoy reads JSON as YAML
+ENVOY_ADMIN_PORT = 9901  # on the pod's loopback only: the admin API can stop Envoy
+
+
+def epp_name(spec: TandemSpec) -> str:
+    return f"{spec.name}-epp"
+
+
+def pool_name(spec: TandemSpec, protocol: str) -> str:
+    """`<name>-grpc` (Generate) or `<name>-http` (the OpenAI API)."""
+    return f"{spec.name}-{protocol}"
+
+
+def pools(spec: TandemSpec) -> list[tuple[str, str, int]]:
+    """(name, appProtocol, target port) of each pool: gRPC always, HTTP when it is served."""
+    out = [(pool_name(spec, GRPC_POOL[0]), GRPC_POOL[1], spec.scheduler.port)]
+    if spec.http.enabled:
+        out.append((pool_name(spec, HTTP_POOL[0]), HTTP_POOL[1], spec.http.port))
+    return out
+
+
+def build_inference_pool(spec: TandemSpec, name: str, app_protocol: str,
+                         port: int) -> dict[str, Any]:
+    """One InferencePool over the schedulers' `port`, picked by the EPP."""
+    return {
+        "apiVersion": POOL_API,
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": labels(spec, "scheduler")},
+        "spec": {
+            "selector": {"matchLabels": selector_labels(spec, "scheduler")},
+            "targetPorts": [{"number": port}],
+            "appProtocol": app_protocol,
+            "endpointPickerRef": {"group": "", "kind": "Service", "name": epp_name(spec),
+                                  "port": {"number": EPP_PORT},
+                                  "failureMode": spec.routing.failure_mode},
+        },
+    }
+
+
+def epp_cells(spec: TandemSpec, cells: Sequence[Cell]) -> str:
+    """TANDEM_EPP_CELLS: the router's cell addresses (`host:grpc_port`), with `/http_port`
+    when the cells serve HTTP."""
+    suffix = f"/{spec.http.port}" if spec.http.enabled else ""
+    return ",".join(cell_address(spec, c.index) + suffix for c in cells)
+
+
+def epp_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
+    """`tandem epp`'s TANDEM_* settings (docs/configuration.md): the cells with both their
+    ports, the router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with
+    the service's certificate, as every public port), health on the plaintext health port."""
+    return {
+        "TANDEM_EPP_CELLS": epp_cells(spec, cells),
+        "TANDEM_LISTEN": f"0.0.0.0:{EPP_PORT}",
+        "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
+        "TANDEM_METRICS_PORT": str(SCHEDULER_METRICS_PORT),
+        "TANDEM_EPP_LOAD_FACTOR": str(spec.router.load_factor),
+        "TANDEM_BLOCK_SIZE": str(spec.block_size),
+        "OTEL_SERVICE_NAME": "tandem-epp",
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec, "EPP")
+
+
+def build_epp_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
+    return build_settings_configmap(spec, epp_name(spec), "epp", epp_config(spec, cells))
+
+
+def _epp_container(spec: TandemSpec) -> dict[str, Any]:
+    """`tandem epp` in the scheduler's image, probed on its gRPC health services `liveness`
+    and `readiness` (READY while at least one cell is)."""
+    return serving_container(spec, ServingContainer(
+        role="epp", image=spec.scheduler.image, config_map=epp_name(spec),
+        resources=container_resources(spec.routing.epp.resources, {}),
+        mounts=[SCRATCH_MOUNT, *tls_volumes(spec)[1]], ready_service="readiness",
+        live_service="liveness", metrics_port=SCHEDULER_METRICS_PORT,
+        own_ports=[{"name": "ext-proc", "containerPort": EPP_PORT, "protocol": "TCP"}]))
+
+
+def build_epp_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
+    pod_spec = serving_pod_spec(spec, "epp", [_epp_container(spec)],
+                                [scratch_volume(), *tls_volumes(spec)[0]])
+    return build_front_deployment(spec, epp_name(spec), "epp", spec.routing.epp.replicas,
+                                  pod_spec, epp_config(spec, cells))
+
+
+def build_epp_service(spec: TandemSpec) -> dict[str, Any]:
+    """The Service the pools' endpointPickerRef names: ext_proc is gRPC (h2c, or TLS with
+    the service's certificate)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": epp_name(spec), "namespace": spec.namespace,
+                     "labels": labels(spec, "epp")},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec, "epp"),
+            "ports": [{"name": "ext-proc", "port": EPP_PORT, "targetPort": "ext-proc",
+                       "protocol": "TCP",
+                       "appProtocol": "https" if spec.tls.enabled else "kubernetes.io/h2c"}],
+        },
+    }
+
+
+def envoy_name(spec: TandemSpec) -> str:
+    return f"{spec.name}-envoy"
+
+
+def envoy_config(spec: TandemSpec) -> dict[str, str]:
+    """The Envoy of standalone routing: its bootstrap (envoy.py's builder) as a file.
+
+    One listener per port of the Service, so that the Service's named ports (`grpc`, `http`)
+    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service,
+    in plaintext: standalone routing is refused with spec.tls (spec.py), as the bootstrap
+    has no TLS listener. Fail-open sends requests round robin to the schedulers through the
+    headless Service, without affinity.
+    """
+    cells = service_name(spec, headless=True) + f".{spec.namespace}.svc"
+    epp = f"{epp_name(spec)}.{spec.namespace}.svc"
+    ports = [spec.scheduler.port, *([spec.http.port] if spec.http.enabled else [])]
+    bootstraps = [envoy_bootstrap(
+        listen_port=port, epp_address=epp, epp_port=EPP_PORT, admin_port=ENVOY_ADMIN_PORT,
+        failure_mode_allow=spec.routing.failure_mode == "FailOpen",
+        fallback_grpc=[(cells, spec.scheduler.port)],
+        fallback_http=[(cells, spec.http.port)] if spec.http.enabled else [])
+        for port in ports]
+    bootstrap = bootstraps[0]
+    for port, other in zip(ports[1:], bootstraps[1:], strict=True):
+        [listener] = other["static_resources"]["listeners"]
+        bootstrap["static_resources"]["listeners"].append(listener | {"name": f"tandem-{port}"})
+    return {ENVOY_FILE: json.dumps(bootstrap, indent=1, sort_keys=True)}
+
+
+def build_envoy_configmap(spec: TandemSpec) -> dict[str, Any]:
+    return build_settings_configmap(spec, envoy_name(spec), "envoy", envoy_config(spec))
+
+
+def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
+    """Envoy from its official image, as the pods' non-root user with a read-only root
+    filesystem; probed on its listener (its admin port stays on the pod's loopback)."""
+    ports = [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}]
+    if spec.http.enabled:
+        ports.append({"name": "http", "containerPort": spec.http.port, "protocol": "TCP"})
+    probe = {"tcpSocket": {"port": "grpc"}, "timeoutSeconds": 5}
+    return {
+        "name": "envoy",
+        "image": spec.routing.envoy_image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["envoy", "-c", f"{ENVOY_DIR}/{ENVOY_FILE}", "--log-level", "warning"],
+        "ports": ports,
+        "resources": container_resources(spec.routing.envoy.resources, {}),
+        "volumeMounts": [SCRATCH_MOUNT, {"name": "envoy", "mountPath": ENVOY_DIR,
+                                         "readOnly": True}],
+        "securityContext": container_security(),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": probe | {"periodSeconds": 10, "failureThreshold": 6},
+    }
+
+
+def build_envoy_deployment(spec: TandemSpec) -> dict[str, Any]:
+    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}}]
+    pod_spec = serving_pod_spec(spec, "envoy", [_envoy_container(spec)], volumes)
+    return build_front_deployment(spec, envoy_name(spec), "envoy", spec.routing.envoy.replicas,
+                                  pod_spec, envoy_config(spec))

@@ -1,0 +1,269 @@
+"""Gateway and standalone routing (`spec.routing`, operator/tandem_operator/gateway.py): the
+InferencePools validate against the Gateway API Inference Extension's v1 CRD (vendored in
+tests/data/gie), the endpoint picker's settings are what `tandem epp` reads, a real Envoy
+accepts the standalone bootstrap, and switching modes on the API emulator applies and deletes
+the right children."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+from kube_emulator import KubeEmulator
+from kube_emulator.cel import rule_failures
+from kube_emulator.fixtures import CRD_PATH, REPO, tandem_spec
+from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
+from test_chart_harness import (
+    NAMESPACE,
+    helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
+    one,
+    render,
+)
+
+from tandem_cli import cli
+from tandem_cli.gateway import envoy_binary
+from tandem_operator.gateway import (
+    EPP_PORT,
+    build_envoy_configmap,
+    build_envoy_deployment,
+    build_epp_configmap,
+    build_epp_deployment,
+    build_epp_service,
+    build_inference_pool,
+    pools,
+)
+from tandem_operator.kube import KubeApi
+from tandem_operator.manifests import HEALTH_PORT
+from tandem_operator.placement import Cell
+from tandem_operator.reconcile import Front, apply_services
+from tandem_operator.router import router_config
+from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.workloads import build_pod_template
+
+GIE_CRD = REPO / "tests" / "data" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
+POOL_SCHEMA = version_schema(load_crd(GIE_CRD), "v1")
+CELLS = [Cell(index=i, node=f"gpu-{i}", cache_bytes=0, requested_bytes=0, generation=0,
+              reason="") for i in range(3)]
+TLS = {"tls": {"secretName": "demo-tls", "clientCASecretName": "demo-ca"}}
+
+
+def gateway(patch: dict[str, Any] | None = None) -> Any:
+    return tandem_spec({"cells": 3, "routing": {"mode": "gateway"}, **(patch or {})})
+
+
+def all_pools(spec: Any) -> list[dict[str, Any]]:
+    return [build_inference_pool(spec, *p) for p in pools(spec)]
+
+
+def pool_problems(pool: dict[str, Any]) -> list[str]:
+    """What an apiserver with the GIE CRD refuses: the schema (unknown fields included,
+    which it would drop silently) and the CRD's CEL rules."""
+    return [*validation_errors(POOL_SCHEMA, pool, strict=True),
+            *(str(f) for f in rule_failures(POOL_SCHEMA, pool))]
+
+
+@pytest.mark.parametrize("patch", [{}, {"http": {"enabled": False}},
+                                   {"routing": {"mode": "gateway", "failureMode": "FailOpen"}},
+                                   TLS, {"scheduler": {"port": 7000}, "http": {"port": 7001}}])
+def test_every_rendered_pool_validates_against_the_gie_v1_crd(patch: dict[str, Any]) -> None:
+    spec = gateway(patch)
+    for pool in all_pools(spec):
+        assert pool_problems(pool) == [], pool
+    # The check can fail: a misspelt field, a missing port, an unknown protocol.
+    pool = all_pools(spec)[0]
+    for broken in ({**pool, "spec": {**pool["spec"], "endpointPickerRefs": {}}},
+                   {**pool, "spec": {**pool["spec"], "targetPorts": []}},
+                   {**pool, "spec": {**pool["spec"], "appProtocol": "grpc"}}):
+        assert pool_problems(broken)
+
+
+def test_the_charts_gateway_values_reach_the_pools_and_the_epp(helm: dict) -> None:
+    """`service.routing` through `helm template` and the CRD's defaults to what the operator
+    renders: valid pools and a picker with the chart's replicas."""
+    objects = render("helm4", (), ("service.cells=2", 'service.routing.mode="gateway"',
+                                   'service.routing.failureMode="FailOpen"',
+                                   "service.routing.epp.replicas=2"))
+    service = one(objects, "TandemService")
+    apply_defaults(load_crd(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"],
+                   service)
+    spec = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
+    assert not spec.routed and spec.routing.picked
+    for pool in all_pools(spec):
+        assert pool_problems(pool) == []
+        assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert build_epp_deployment(spec, CELLS[:2])["spec"]["replicas"] == 2
+
+
+def test_one_pool_per_protocol_selects_the_schedulers_and_names_the_epp() -> None:
+    spec = gateway({"routing": {"mode": "gateway", "failureMode": "FailOpen"}})
+    grpc, http = all_pools(spec)
+    assert (grpc["metadata"]["name"], grpc["spec"]["appProtocol"],
+            grpc["spec"]["targetPorts"]) == ("demo-grpc", "kubernetes.io/h2c", [{"number": 50051}])
+    assert (http["metadata"]["name"], http["spec"]["appProtocol"],
+            http["spec"]["targetPorts"]) == ("demo-http", "http", [{"number": 8000}])
+    scheduler_pod = build_pod_template(spec, CELLS[0], "scheduler")["metadata"]["labels"]
+    worker_pod = build_pod_template(spec, CELLS[0], "worker")["metadata"]["labels"]
+    service = build_epp_service(spec)
+    for pool in (grpc, http):
+        selector = pool["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= scheduler_pod.items()
+        assert not selector.items() <= worker_pod.items()
+        ref = pool["spec"]["endpointPickerRef"]
+        assert ref["name"] == service["metadata"]["name"] == "demo-epp"
+        assert ref["port"]["number"] == service["spec"]["ports"][0]["port"] == EPP_PORT
+        assert ref["failureMode"] == "FailOpen"
+    assert scheduler_pod["inference.networking.k8s.io/engine-type"] == "vllm"
+    assert "inference.networking.k8s.io/engine-type" not in worker_pod
+    assert [p["metadata"]["name"] for p in all_pools(gateway({"http": {"enabled": False}}))] == [
+        "demo-grpc"]
+
+
+def epp_settings(data: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What the real `tandem epp` makes of a ConfigMap's settings (its env)."""
+    for key, value in data.items():
+        monkeypatch.setenv(key, value)
+    args = cli.build_parser().parse_args(["epp"])
+    return cli._epp_config(args, args.listen)
+
+
+def test_tandem_epp_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = gateway({"router": {"loadFactor": 1.5}, "prefixCache": {"blockSize": 32}})
+    data = build_epp_configmap(spec, CELLS)["data"]
+    routed = router_config(tandem_spec({"cells": 3}), CELLS)["TANDEM_ROUTER_CELLS"].split(",")
+    assert data["TANDEM_EPP_CELLS"].split(",") == [f"{a}/8000" for a in routed]
+    config = epp_settings(data, monkeypatch)
+    assert [(c.host, c.grpc_port, c.http_port) for c in config.cells] == [
+        (f"demo-{i}-scheduler-0.demo-headless.serving.svc", 50051, 8000) for i in range(3)]
+    assert (config.listen, config.load_factor, config.block_size) == ("0.0.0.0:9002", 1.5, 32)
+    assert config.health_listen == f"0.0.0.0:{HEALTH_PORT}" and config.metrics_port == 9400
+
+
+def test_a_tls_epp_serves_with_the_secret_and_trusts_the_cells_ca(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = gateway(TLS)
+    config = epp_settings(build_epp_configmap(spec, CELLS)["data"], monkeypatch)
+    assert (config.tls.cert, config.tls.key, config.tls.ca) == (
+        "/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key", "/etc/tandem/client-ca/ca.crt")
+    assert (config.cell_tls.ca, config.cell_tls.cert, config.cell_tls.key) == (
+        "/etc/tandem/tls/ca.crt", "/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key")
+    pod = build_epp_deployment(spec, CELLS)["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"tmp", "tls", "client-ca"}
+    assert build_epp_service(spec)["spec"]["ports"][0]["appProtocol"] == "https"
+
+
+def test_the_epp_deployment_runs_tandem_epp_probed_on_liveness_and_readiness() -> None:
+    spec = gateway({"routing": {"mode": "gateway", "epp": {"replicas": 2}}})
+    dep = build_epp_deployment(spec, CELLS)
+    assert dep["metadata"]["name"] == "demo-epp" and dep["spec"]["replicas"] == 2
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["tandem", "epp"] and c["image"] == spec.scheduler.image
+    assert c["envFrom"] == [{"configMapRef": {"name": "demo-epp"}}]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "ext-proc": EPP_PORT, "health": HEALTH_PORT, "metrics": 9400}
+    assert c["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "readiness"}
+    assert c["securityContext"]["readOnlyRootFilesystem"]
+    key = "tandem.dev/config-hash"
+    assert (dep["spec"]["template"]["metadata"]["annotations"][key]
+            == build_epp_configmap(spec, CELLS)["metadata"]["annotations"][key])
+
+
+def standalone(patch: dict[str, Any] | None = None) -> Any:
+    return tandem_spec({"cells": 3, "routing": {"mode": "standalone", **(patch or {})}})
+
+
+def test_a_real_envoy_accepts_the_standalone_bootstrap(tmp_path: Path) -> None:
+    for spec in (standalone(), standalone({"failureMode": "FailOpen"})):
+        bootstrap = json.loads(build_envoy_configmap(spec)["data"]["envoy.json"])
+        listeners = bootstrap["static_resources"]["listeners"]
+        assert [ls["address"]["socket_address"]["port_value"] for ls in listeners] == [
+            50051, 8000]
+        clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+        epp = clusters["tandem-epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+        assert epp["endpoint"]["address"]["socket_address"] == {
+            "address": "demo-epp.serving.svc", "port_value": EPP_PORT}
+        path = tmp_path / "envoy.json"
+        path.write_text(json.dumps(bootstrap))
+        done = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    dep = build_envoy_deployment(standalone({"envoy": {"image": "mirror/envoy:v1.40.0"}}))
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "mirror/envoy:v1.40.0"
+    assert {p["name"] for p in c["ports"]} == {"grpc", "http"}, "the Service's target ports"
+
+
+def test_standalone_with_tls_is_refused() -> None:
+    with pytest.raises(SpecError, match="standalone serves plaintext"):
+        tandem_spec({"routing": {"mode": "standalone"}, **TLS})
+
+
+def test_the_routing_mode_decides_the_front() -> None:
+    assert tandem_spec({"cells": 3}).routing.mode == "router"
+    assert Front.wanted(tandem_spec({"cells": 3}), CELLS) == Front("router", (0, 1, 2))
+    assert Front.wanted(gateway(), CELLS) == Front("scheduler", (0, 1, 2))
+    assert Front.wanted(standalone(), CELLS) == Front("envoy", (0, 1, 2))
+    assert Front.wanted(tandem_spec({"routing": {"mode": "gateway"}}), CELLS[:1]) == Front(
+        "scheduler", (0,)), "one cell: the pools and the EPP still serve the gateway"
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi]:
+    emulator = KubeEmulator([CRD_PATH, GIE_CRD])
+    emulator.start()
+    config = kubernetes.client.Configuration()
+    kubeconfig = emulator.write_kubeconfig(tmp_path_factory.mktemp("gie") / "kubeconfig")
+    kubernetes.config.load_kube_config(str(kubeconfig), client_configuration=config)
+    api = KubeApi(kubernetes.client.ApiClient(config))
+    try:
+        yield api
+    finally:
+        api.close()
+        emulator.stop()
+
+
+def children(kube: KubeApi) -> dict[str, list[str]]:
+    selector = "app.kubernetes.io/instance=demo"
+    return {kind: sorted(o["metadata"]["name"] for o in asyncio.run(
+                kube.list(kind, "serving", selector)))
+            for kind in ("Deployment", "ConfigMap", "Service", "InferencePool")}
+
+
+def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi) -> None:
+    owner = {"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemService",
+             "metadata": {"name": "demo", "namespace": "serving", "uid": "u-1"}}
+    services = ["demo", "demo-headless", "demo-workers"]
+
+    def switch(mode: str, patch: dict[str, Any] | None = None) -> str:
+        """Apply the mode; the component the Service selects (the emulator's Deployment
+        controller makes a Deployment available at once)."""
+        spec = tandem_spec({"cells": 3, "routing": {"mode": mode}, **(patch or {})})
+        front = asyncio.run(apply_services(kube, owner, spec, CELLS))
+        assert front == Front.wanted(spec, CELLS)
+        service = asyncio.run(kube.read("Service", "serving", "demo"))
+        assert service is not None
+        selected: str = service["spec"]["selector"]["app.kubernetes.io/component"]
+        return selected
+
+    assert switch("router") == "router"
+    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
+                              "Service": services, "InferencePool": []}
+    assert switch("gateway") == "scheduler"
+    assert children(kube) == {"Deployment": ["demo-epp"], "ConfigMap": ["demo-epp"],
+                              "Service": sorted([*services, "demo-epp"]),
+                              "InferencePool": ["demo-grpc", "demo-http"]}
+    switch("gateway", {"http": {"enabled": False}})
+    assert children(kube)["InferencePool"] == ["demo-grpc"]
+    assert switch("standalone") == "envoy"
+    assert children(kube) == {"Deployment": ["demo-envoy", "demo-epp"],
+                              "ConfigMap": ["demo-envoy", "demo-epp"],
+                              "Service": sorted([*services, "demo-epp"]), "InferencePool": []}
+    assert switch("router") == "router"
+    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
+                              "Service": services, "InferencePool": []}
