@@ -1,15 +1,16 @@
 """What Envoy plus the endpoint picker add to a request's latency, on loopback.
 
-One local cell (``tandem serve``, the ``tiny`` model) and ``tandem gateway`` in front of it.
-Calls go alternately straight to the cell and through the gateway, so drifting load on a
-shared machine hits both alike; the script prints each path's p50/p99 and the pairwise
-difference, the latency the gateway adds. By default the calls are ``GetModelInfo``: it
-passes Envoy and the picker exactly as Generate does (headers, buffered body, pick,
-streamed body, echoed response) but costs the cell next to nothing, so the model's step
-time, which varies by tens of milliseconds on a busy machine, does not drown the
-difference; ``--generate`` times one-token Generate calls instead. Run::
+One local cell (``tandem serve``, the ``tiny`` model), the picker (``create_epp``, as
+``tandem gateway`` runs it) and a fail-open Envoy with the gateway's bootstrap. Calls go
+alternately straight to the cell and through Envoy, so drifting load on a shared machine
+hits both alike. Then the picker stops and the same is done again: fail-open Envoy now
+forwards without asking anyone, which gives Envoy's own share. By default the calls are
+``GetModelInfo``: it passes Envoy and the picker exactly as Generate does (headers,
+buffered body, pick, streamed body, echoed response) but costs the cell next to nothing,
+so the model's step time, which varies by tens of milliseconds on a busy machine, does not
+drown the difference; ``--generate`` times one-token Generate calls instead. Run::
 
-    python bench/gateway_latency.py                  # 200 calls per path
+    python bench/gateway_latency.py                  # 200 calls per path and phase
     python bench/gateway_latency.py --requests 1000 --generate
 """
 
@@ -17,75 +18,91 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
+from router_svc.epp import CellEndpoint
+from router_svc.epp_server import EppConfig
 from tandem.v1 import generate_pb2, generate_pb2_grpc
-from tandem_testing.cells import free_port, request, running_cell, stop_process
+from tandem_cli.gateway import (
+    GatewayConfig,
+    gateway_bootstrap,
+    start_envoy,
+    stop_envoy,
+    wait_envoy_ready,
+)
+from tandem_testing.cells import free_port, request, running_cell
+from tandem_testing.router import running_epp
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3
 
 
-def one_call(stub: generate_pb2_grpc.GenerationStub, generate: bool) -> float:
+def timed(call: Callable[[], object]) -> float:
     start = time.perf_counter()
-    if generate:
-        for _ in stub.Generate(request("Say hi.", max_tokens=1), timeout=30):
-            pass
-    else:
-        stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+    call()
     return time.perf_counter() - start
+
+
+def compare(direct: Callable[[], object], gateway: Callable[[], object], label: str,
+            requests: int, warmup: int) -> None:
+    """``requests`` alternating calls per path after ``warmup``; prints the percentiles."""
+    pairs = [(timed(direct), timed(gateway)) for _ in range(warmup + requests)][warmup:]
+    d, g = [p[0] for p in pairs], [p[1] for p in pairs]
+    added = [b - a for a, b in pairs]
+    print(f"  direct {percentile(d, 50):6.2f} / {percentile(d, 99):6.2f}   {label} "
+          f"{percentile(g, 50):6.2f} / {percentile(g, 99):6.2f}   added (pairwise) "
+          f"{percentile(added, 50):6.2f} / {percentile(added, 99):6.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200, help="calls per path")
+    parser.add_argument("--requests", type=int, default=200, help="calls per path and phase")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--generate", action="store_true",
                         help="time one-token Generate calls instead of GetModelInfo")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
             running_cell(Path(tmp) / "cell", debug_invariants=False) as cell:
-        listen = f"127.0.0.1:{free_port()}"
-        log = Path(tmp) / "gateway.log"
-        with open(log, "wb") as out:
-            gateway = subprocess.Popen(
-                [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells", cell.target,
-                 "--listen", listen, "--admin-port", str(free_port()), "--log-level", "WARNING"],
-                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while b"listening" not in log.read_bytes():
-                if gateway.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"gateway did not start:\n{log.read_text()}")
-                time.sleep(0.1)
-            with grpc.insecure_channel(listen) as channel:
-                paths = {"direct": cell.stub, "gateway": generate_pb2_grpc.GenerationStub(channel)}
-                times: dict[str, list[float]] = {name: [] for name in paths}
-                for i in range(args.warmup + args.requests):
-                    for name, stub in paths.items():
-                        elapsed = one_call(stub, args.generate)
-                        if i >= args.warmup:
-                            times[name].append(elapsed)
-        finally:
-            stop_process(gateway, 20)
-    what = "Generate calls (1 output token)" if args.generate else "GetModelInfo calls"
-    print(f"{args.requests} {what} per path, ms:")
-    stats = {name: (percentile(t, 50) * 1e3, percentile(t, 99) * 1e3)
-             for name, t in times.items()}
-    for name, (p50, p99) in stats.items():
-        print(f"  {name:8s} p50 {p50:7.2f}  p99 {p99:7.2f}")
-    added = [g - d for g, d in zip(times["gateway"], times["direct"], strict=True)]
-    print(f"  added    p50 {stats['gateway'][0] - stats['direct'][0]:7.2f}  "
-          f"p99 {stats['gateway'][1] - stats['direct'][1]:7.2f}  "
-          f"(pairwise: p50 {percentile(added, 50) * 1e3:.2f}, "
-          f"p99 {percentile(added, 99) * 1e3:.2f})")
+        host, port = cell.target.rsplit(":", 1)
+        config = EppConfig(cells=(CellEndpoint(host, int(port), 1, host),),
+                           listen="127.0.0.1:0")
+        with running_epp(config) as epp:
+            gateway = GatewayConfig(config, f"127.0.0.1:{free_port()}", free_port(),
+                                    fail_open=True)
+            proc = start_envoy(gateway_bootstrap(gateway, epp.server.port, config.cells),
+                               Path(tmp))
+            try:
+                wait_envoy_ready(proc, gateway.admin_port, Path(tmp))
+                with grpc.insecure_channel(gateway.listen) as channel:
+                    stubs = [cell.stub, generate_pb2_grpc.GenerationStub(channel)]
+                    if args.generate:
+                        msg = request("Say hi.", max_tokens=1)
+                        direct, through = (lambda s=s: list(s.Generate(msg, timeout=30))
+                                           for s in stubs)
+                    else:
+                        info = generate_pb2.GetModelInfoRequest()
+                        direct, through = (lambda s=s: s.GetModelInfo(info, timeout=30)
+                                           for s in stubs)
+                    what = "one-token Generate" if args.generate else "GetModelInfo"
+                    print(f"{args.requests} {what} calls per path, p50 / p99 in ms:")
+                    compare(direct, through, "envoy+epp", args.requests, args.warmup)
+                    epp.stop()
+                    deadline = time.monotonic() + 10  # Envoy's health check sees it gone
+                    while time.monotonic() < deadline:
+                        try:
+                            through()
+                            break
+                        except grpc.RpcError:
+                            time.sleep(0.2)
+                    compare(direct, through, "envoy   ", args.requests, args.warmup)
+            finally:
+                stop_envoy(proc)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ class RouteDecision:
     """Where one request went and why.
 
     ``affinity``: the key's own cell; ``spill``: a later cell because an earlier serving
-    one was at capacity; ``failover``: a later cell because the earlier ones were down
-    (or had already failed this request).
+    one was at capacity (or over its queue bound); ``failover``: a later cell because the
+    earlier ones were down (or had already failed this request, or were outside the
+    request's subset).
     """
 
     cell: str
@@ -134,10 +135,10 @@ class Balancer:
         cap = self.capacity(exclude, only)
         skipped_full = False
         for i, cell in enumerate(self.ring.walk(key)):
-            if (cell not in self.healthy or cell in exclude
-                    or (only is not None and cell not in only) or self.queue_full(cell)):
+            if cell not in self.healthy or cell in exclude or (only is not None
+                                                               and cell not in only):
                 continue
-            if self.in_flight[cell] + 1 > cap:
+            if self.queue_full(cell) or self.in_flight[cell] + 1 > cap:
                 skipped_full = True
                 continue
             reason: Reason = "affinity" if i == 0 else "spill" if skipped_full else "failover"

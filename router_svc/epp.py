@@ -58,12 +58,15 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-GENERATE_PATH = "/tandem.v1.Generation/Generate"
+GENERATE_PATH = f"/{generate_pb2.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
 OPENAI_PATHS = {"/v1/chat/completions": schema.ChatCompletionRequest,
                 "/v1/completions": schema.CompletionRequest}
 # Envoy takes streamed body chunks below 64 KiB.
 CHUNK_BYTES = 60 * 1024
 GRPC_FRAME_PREFIX = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
+# Larger bodies (images) are read into a key off the event loop, so decoding and hashing
+# them never stalls the other requests' streams.
+OFF_LOOP_BYTES = 256 * 1024
 
 
 # --- cells -------------------------------------------------------------------------------
@@ -247,29 +250,33 @@ class EppServicer:
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("request_headers"):
             return  # Envoy always opens with the request headers; nothing to do otherwise
+        picker = self.picker  # the cells may change (a cells file); this stream keeps its own
         headers = _header_map(first.request_headers.headers)
         grpc_request = is_grpc(headers.get("content-type", ""))
-        decision: RouteDecision | None = None
         try:
             body, ended_by_trailers = b"", False
             if not first.request_headers.end_of_stream:
                 body, ended_by_trailers = await self._body(request_iterator)
-            key = request_key(headers.get(":path", ""), headers.get("content-type", ""),
-                              body, self.block_size)
-            decision = self.picker.pick(key, subset_hint(first.metadata_context))
+            args = (headers.get(":path", ""), headers.get("content-type", ""), body,
+                    self.block_size)
+            key = (request_key(*args) if len(body) <= OFF_LOOP_BYTES
+                   else await asyncio.to_thread(request_key, *args))
+            decision = picker.pick(key, subset_hint(first.metadata_context))
         except TandemError as error:
             yield self._refuse(error, grpc_request)
             return
         try:
-            destination = self.picker.cells[decision.cell].destination(grpc_request)
+            destination = picker.cells[decision.cell].destination(grpc_request)
             yield _route_to(destination)
             if not first.request_headers.end_of_stream:
                 for response in _streamed(body, last=not ended_by_trailers):
                     yield ext_proc.ProcessingResponse(request_body=response)
+            if ended_by_trailers:  # read while buffering; answered once the body is back
+                yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             async for msg in request_iterator:
                 yield _pass_through(msg)
         finally:
-            self.picker.balancer.release(decision.cell)
+            picker.balancer.release(decision.cell)
 
     async def _body(self, requests: AsyncIterator[ext_proc.ProcessingRequest],
                     ) -> tuple[bytes, bool]:

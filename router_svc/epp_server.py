@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter
 
@@ -17,6 +21,7 @@ from router_svc.epp import (
     EppServicer,
     Picker,
     ext_proc_handler,
+    parse_cells,
     resolved,
 )
 from router_svc.metrics import start_metrics
@@ -38,12 +43,13 @@ class EppConfig:
 
     ``load_factor``, ``block_size``, ``health_interval``, ``tls`` (the ext_proc port) and
     ``cell_tls`` (toward the cells) mean what they mean for ``tandem router``.
-    ``queue_bound``: a cell reporting this many requests in flight takes no more (0 = no
-    bound); when every eligible cell is there, the answer is 429. ``body_timeout_s``
-    bounds the wait for a request's body.
+    ``cells_file``: read the cells from this file instead of ``cells``, and again
+    whenever it changes. ``queue_bound``: a cell reporting this many requests in flight
+    takes no more (0 = no bound); when every eligible cell is there, the answer is 429.
+    ``body_timeout_s`` bounds the wait for a request's body.
     """
 
-    cells: tuple[CellEndpoint, ...]
+    cells: tuple[CellEndpoint, ...] = ()
     listen: str = "localhost:9002"
     load_factor: float = 1.25
     block_size: int = 16
@@ -55,40 +61,113 @@ class EppConfig:
     tls: TlsFiles = field(default_factory=TlsFiles)
     cell_tls: TlsFiles = field(default_factory=TlsFiles)
     health_listen: str = ""
+    cells_file: str = ""  # when set, the cells come from it (re-read on change)
+    http_port: int = 8000  # the cells file's entries without an HTTP port
+
+
+@dataclass
+class CellSet:
+    """The cells the picker serves now: the picker over them and the pool checking them."""
+
+    picker: Picker
+    pool: CellPool
+
+    @classmethod
+    async def start(cls, cells: Sequence[CellEndpoint], config: EppConfig,
+                    credentials: grpc.ChannelCredentials | None) -> CellSet:
+        """Resolve the hosts and run one round of checks (OSError: a host that does not
+        resolve)."""
+        if not cells:
+            raise ValueError("the endpoint picker needs at least one cell")
+        resolved_cells = await asyncio.gather(*(resolved(c) for c in cells))
+        balancer = Balancer([c.name for c in resolved_cells], config.load_factor,
+                            queue_bound=config.queue_bound)
+        pool = CellPool(balancer, config.health_interval, credentials=credentials)
+        await pool.start()
+        return cls(Picker(balancer, resolved_cells), pool)
+
+
+class CellsFile:
+    """``--cells-file``: the ``--cells`` syntax (commas or newlines), read again when the
+    file changes (its size or modification time)."""
+
+    def __init__(self, path: str, default_http_port: int) -> None:
+        self.path = Path(path)
+        self.default_http_port = default_http_port
+        self._seen: tuple[int, int] | None = None
+
+    def changed(self) -> bool:
+        st = self.path.stat()
+        return (st.st_mtime_ns, st.st_size) != self._seen
+
+    def read(self) -> tuple[CellEndpoint, ...]:
+        """The cells now in the file (OSError, ValueError when it is unreadable or bad)."""
+        st = self.path.stat()
+        cells = parse_cells(self.path.read_text().replace("\n", ","), self.default_http_port)
+        self._seen = (st.st_mtime_ns, st.st_size)
+        return cells
 
 
 @dataclass
 class EppServer:
     grpc: GrpcServer
     port: int
-    pool: CellPool
-    picker: Picker
+    servicer: EppServicer
+    cells: CellSet
     metrics: MetricsEndpoint | None = None
+    watcher: asyncio.Task[None] | None = None
+
+    @property
+    def picker(self) -> Picker:
+        return self.servicer.picker
 
     @property
     def balancer(self) -> Balancer:
-        return self.pool.balancer
+        return self.servicer.picker.balancer
+
+    async def follow(self, file: CellsFile, current: tuple[CellEndpoint, ...],
+                     config: EppConfig, credentials: grpc.ChannelCredentials | None) -> None:
+        """Switch to the file's cells whenever they change from ``current``; a bad file
+        keeps the current ones. Streams already picked finish on the cells they were
+        given."""
+        while True:
+            await asyncio.sleep(config.health_interval)
+            try:
+                if not file.changed() or (cells := file.read()) == current:
+                    continue
+                new = await CellSet.start(cells, config, credentials)
+            except (OSError, ValueError) as exc:
+                log.warning("cells file %s: %s; keeping the current %d cells", file.path, exc,
+                            len(self.balancer.cells))
+                continue
+            current, old, self.cells = cells, self.cells, new
+            self.servicer.picker = new.picker
+            await old.pool.close()
+            log.warning("cells file %s: now %d cells (%d up)", file.path, len(cells),
+                        len(new.picker.balancer.healthy))
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING (Envoy's health check stops sending new streams), running streams
         finish within ``grace``, then the cell channels close."""
+        if self.watcher is not None:
+            self.watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.watcher
         await self.grpc.stop(grace)
-        await self.pool.close()
+        await self.cells.pool.close()
         if self.metrics is not None:
             await self.metrics.close()
 
 
 async def create_epp(config: EppConfig) -> EppServer:
     """Start serving; returns after one round of cell checks. Bad TLS files raise
-    TlsConfigError, unresolvable cell hosts OSError, before anything starts."""
-    if not config.cells:
-        raise ValueError("the endpoint picker needs at least one cell")
+    TlsConfigError, unresolvable cell hosts OSError, a bad cells file OSError or
+    ValueError, before anything starts."""
     credentials = server_credentials(config.tls)
     cell_credentials = channel_credentials(config.cell_tls) if config.cell_tls.enabled else None
-    cells = await asyncio.gather(*(resolved(c) for c in config.cells))
-    balancer = Balancer([c.name for c in cells], config.load_factor,
-                        queue_bound=config.queue_bound)
-    picker = Picker(balancer, cells)
+    file = CellsFile(config.cells_file, config.http_port) if config.cells_file else None
+    initial = file.read() if file else config.cells
+    cells = await CellSet.start(initial, config, cell_credentials)
     registry = CollectorRegistry()
     refused = Counter("tandem_epp_refused", "Requests the endpoint picker answered itself "
                       "(no cell up, queues full, body too slow), by HTTP status",
@@ -97,24 +176,35 @@ async def create_epp(config: EppConfig) -> EppServer:
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)], trace_calls=False)
-    server.server.add_generic_rpc_handlers((ext_proc_handler(
-        EppServicer(picker, config.block_size, config.body_timeout_s, refused)),))
-    pool = CellPool(balancer, config.health_interval, credentials=cell_credentials)
-    port = await server.start(tcp_binder(config.listen, credentials), config.health_listen)
-    await server.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-    await pool.start()
+    servicer = EppServicer(cells.picker, config.block_size, config.body_timeout_s, refused)
+    server.server.add_generic_rpc_handlers((ext_proc_handler(servicer),))
+    try:
+        port = await server.start(tcp_binder(config.listen, credentials), config.health_listen)
+    except BaseException:
+        await cells.pool.close()
+        raise
+    for name in (LIVENESS, READINESS):
+        await server.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await server.set_serving(True)
-    await server.health.set(READINESS, health_pb2.HealthCheckResponse.SERVING)
-    metrics = (await start_metrics(balancer, config.metrics_port, registry)
-               if config.metrics_port else None)
+    running = EppServer(server, port, servicer, cells)
+    if config.metrics_port:
+        running.metrics = await start_metrics(lambda: running.balancer, config.metrics_port,
+                                              registry)
+    if file is not None:
+        running.watcher = asyncio.create_task(running.follow(file, initial, config,
+                                                                  cell_credentials),
+                                              name="cells-file")
     log.info("endpoint picker serving %s on port %d, %s, over %d cells (%d up%s)",
-             SERVICE_NAME, port, tls_mode(credentials, config.tls.ca), len(cells),
-             len(balancer.healthy), ", TLS" if cell_credentials else "")
-    return EppServer(server, port, pool, picker, metrics)
+             SERVICE_NAME, port, tls_mode(credentials, config.tls.ca),
+             len(running.balancer.cells), len(running.balancer.healthy),
+             ", TLS" if cell_credentials else "")
+    return running
 
 
 async def serve(config: EppConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order (see EppServer.stop)."""
+    cells = f"the cells of {config.cells_file}" if config.cells_file else \
+        f"{len(config.cells)} cells"
     await serve_until_signalled(
-        create_epp(config), f"tandem epp listening on {config.listen} over "
-        f"{len(config.cells)} cells", config.shutdown_grace_s)
+        create_epp(config), f"tandem epp listening on {config.listen} over {cells}",
+        config.shutdown_grace_s)

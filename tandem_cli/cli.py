@@ -291,6 +291,9 @@ def _add_epp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", default=_env("EPP_CELLS", ""),
                    help="comma-separated cells: host:GRPC_PORT or host:GRPC_PORT/HTTP_PORT "
                         "(IPv6 hosts in brackets)")
+    p.add_argument("--cells-file", default=_env("EPP_CELLS_FILE", ""),
+                   help="read the cells from this file instead (the --cells syntax, commas "
+                        "or newlines), and again whenever it changes")
     p.add_argument("--http-port", type=int, default=int(_env("EPP_HTTP_PORT", "8000")),
                    help="the cells' OpenAI HTTP port, for entries of --cells without one")
     p.add_argument("--queue-bound", type=int, default=int(_env("EPP_QUEUE_BOUND", "0")),
@@ -539,16 +542,24 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def _epp_config(args: argparse.Namespace, listen: str):
     from router_svc.epp import parse_cells
-    from router_svc.epp_server import EppConfig
+    from router_svc.epp_server import CellsFile, EppConfig
 
     try:
         cells = parse_cells(args.cells, args.http_port)
     except ValueError as exc:
         raise SettingsError(f"--cells: {exc}") from None
-    if not cells:
+    if not cells and not args.cells_file:
         raise SettingsError("--cells (or TANDEM_EPP_CELLS) names no cell")
+    if cells and args.cells_file:
+        raise SettingsError("give --cells or --cells-file, not both")
+    if args.cells_file:
+        try:
+            CellsFile(args.cells_file, args.http_port).read()
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"--cells-file {args.cells_file}: {exc}") from None
     return EppConfig(
-        cells=cells, listen=listen, load_factor=args.load_factor, block_size=args.block_size,
+        cells=cells, cells_file=args.cells_file, http_port=args.http_port, listen=listen,
+        load_factor=args.load_factor, block_size=args.block_size,
         health_interval=args.health_interval, queue_bound=args.queue_bound,
         body_timeout_s=args.body_timeout, metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace,
@@ -565,11 +576,18 @@ def cmd_epp(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from tandem_cli.gateway import GatewayConfig, run_gateway
+    from tandem_cli.gateway import EnvoyFailed, EnvoyMissing, GatewayConfig, run_gateway
 
-    asyncio.run(run_gateway(GatewayConfig(
-        _epp_config(args, args.epp_listen), listen=args.listen, admin_port=args.admin_port,
-        fail_open=args.fail_open, envoy_log_level=args.envoy_log_level)))
+    try:
+        asyncio.run(run_gateway(GatewayConfig(
+            _epp_config(args, args.epp_listen), listen=args.listen,
+            admin_port=args.admin_port, fail_open=args.fail_open,
+            envoy_log_level=args.envoy_log_level)))
+    except EnvoyMissing as exc:
+        raise SettingsError(str(exc)) from None
+    except EnvoyFailed as exc:
+        print(f"tandem gateway: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -77,6 +77,16 @@ def test_fail_open_routes_unpicked_requests_to_the_fallbacks_by_protocol() -> No
     assert manager(b)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
 
 
+def test_the_bootstrap_and_the_picker_name_the_same_protocol() -> None:
+    # The operator imports no engine code, so GIE's names live in both; they must agree.
+    from router_svc import epp
+    from tandem_operator import envoy
+
+    assert (envoy.DESTINATION_HEADER, envoy.DESTINATION_NAMESPACE, envoy.SUBSET_HINT_NAMESPACE,
+            envoy.EXT_PROC_SERVICE) == (epp.DESTINATION_HEADER, epp.DESTINATION_NAMESPACE,
+                                        epp.SUBSET_NAMESPACE, epp.SERVICE_NAME)
+
+
 def test_bad_ports_and_half_client_certificates_are_refused() -> None:
     with pytest.raises(ValueError, match="listen port 0"):
         envoy_bootstrap(listen_port=0, epp_address="e", epp_port=1, admin_port=2)

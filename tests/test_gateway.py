@@ -24,11 +24,13 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import struct_pb2
+from pki import make_pki
 
 from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.epp import (
     DESTINATION_HEADER,
     GENERATE_PATH,
+    OFF_LOOP_BYTES,
     SERVICE_NAME,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
@@ -38,6 +40,7 @@ from router_svc.epp import (
 from router_svc.epp_server import EppConfig
 from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
+from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_cli.gateway import (
     GatewayConfig,
@@ -46,6 +49,7 @@ from tandem_cli.gateway import (
     stop_envoy,
     wait_envoy_ready,
 )
+from tandem_operator.envoy import UpstreamTls, envoy_bootstrap
 from tandem_testing.cells import (
     Cell,
     free_port,
@@ -71,6 +75,7 @@ class Gateway:
     url: str  # Envoy's listener
     epp: str  # the picker's ext_proc port
     channel: grpc.Channel
+    metrics: str  # the picker's /metrics
 
     @property
     def stub(self) -> generate_pb2_grpc.GenerationStub:
@@ -90,12 +95,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                         for i, p in enumerate(http_ports)]) as cells:
         spec = ",".join(f"{c.target}/{p}" for c, p in zip(cells, http_ports, strict=True))
         listen, epp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        metrics = free_port()
         log = tmp / "gateway.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells", spec,
                  "--listen", listen, "--epp-listen", epp, "--admin-port", str(free_port()),
-                 "--health-interval", "0.2", "--block-size", str(BLOCK)],
+                 "--health-interval", "0.2", "--block-size", str(BLOCK),
+                 "--metrics-port", str(metrics)],
                 stdout=out, stderr=subprocess.STDOUT)
         channel = grpc.insecure_channel(listen)
         try:
@@ -104,7 +111,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             assert proc.poll() is None, log.read_text()
             endpoints = tuple(CellEndpoint(c.host, c.grpc_port, c.http_port, c.host)
                               for c in parse_cells(spec, 0))  # loopback IPs already
-            yield Gateway(cells, endpoints, f"http://{listen}", epp, channel)
+            yield Gateway(cells, endpoints, f"http://{listen}", epp, channel,
+                          f"http://127.0.0.1:{metrics}/metrics")
         finally:
             channel.close()
             stop_process(proc, 20)
@@ -132,7 +140,8 @@ def _chat(image: bytes, stream_: bool = True) -> dict[str, object]:
 
 
 def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> None:
-    data = png(501)
+    data = png(501, 400, 300)  # over OFF_LOOP_BYTES: its key is computed off the loop
+    assert len(data) > OFF_LOOP_BYTES
     msg = request(PROMPT, [data], max_tokens=3)
     owner = gateway.owner(msg)
     before = _misses(gateway.cells)
@@ -150,6 +159,25 @@ def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> Non
     assert after[1 - owner] == before[1 - owner]
     # The answer is the cell's own (the other cell, asked directly, says the same).
     assert gateway.cells[1 - owner].stream(msg)[0] == ids
+
+
+def test_the_pickers_metrics(gateway: Gateway) -> None:
+    def decisions() -> dict[str, float]:
+        text = httpx.get(gateway.metrics, timeout=10).text
+        assert "tandem_route_cell_serving" in text and "tandem_epp_refused" in text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("tandem_route_decisions_total{"):
+                cell = line.split('cell="')[1].split('"')[0]
+                out[cell] = out.get(cell, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+    msg = request(PROMPT, [png(505)], max_tokens=1)
+    cell = gateway.cells[gateway.owner(msg)].target
+    before = decisions()
+    stream(gateway.stub, msg)
+    after = decisions()
+    assert after[cell] == before.get(cell, 0) + 1
+    assert sum(after.values()) == sum(before.values()) + 1
 
 
 def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:
@@ -253,7 +281,20 @@ def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
     assert refused.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway) -> None:
+def test_request_trailers_are_answered_after_the_body(gateway: Gateway) -> None:
+    msg = request(TEXT, max_tokens=2)
+    headers, body = _grpc_request(msg)
+    body.request_body.end_of_stream = False  # the trailers end this request
+    trailers = ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers())
+    picked, streamed, answered = _process(gateway.epp, headers, body, trailers, expect=3)
+    assert _destination([picked])
+    chunk = streamed.request_body.response.body_mutation.streamed_response
+    assert chunk.body == _grpc_body(msg) and not chunk.end_of_stream
+    assert answered.HasField("request_trailers")
+
+
+def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
+                                                          tmp_path: Path) -> None:
     cells = tuple(gateway.endpoints)
     msg = request(TEXT, max_tokens=2)
     with running_epp(EppConfig(cells=cells, listen="127.0.0.1:0", queue_bound=1,
@@ -276,12 +317,23 @@ def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway) -> N
         finally:
             for call in calls:
                 call.cancel()
-    dead = CellEndpoint("127.0.0.1", free_port(), free_port())
-    with running_epp(EppConfig(cells=(dead,), listen="127.0.0.1:0",
-                               body_timeout_s=0.5)) as epp:
+    dead = CellEndpoint("127.0.0.1", free_port(), free_port(), "127.0.0.1")
+    config = EppConfig(cells=(dead,), listen="127.0.0.1:0", body_timeout_s=0.5)
+    with running_epp(config) as epp, \
+            _envoy(GatewayConfig(config, f"127.0.0.1:{free_port()}", free_port()),
+                   epp.server.port, tmp_path / "envoy") as listen:
         target = f"127.0.0.1:{epp.server.port}"
         (none,) = _process(target, *_grpc_request(msg))
         assert none.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+        # Through Envoy: a gRPC status with the picker's message, and an OpenAI error.
+        with grpc.insecure_channel(listen) as channel, pytest.raises(grpc.RpcError) as refused:
+            stream(generate_pb2_grpc.GenerationStub(channel), msg)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == "no cell is serving"
+        reply = httpx.post(f"http://{listen}/v1/completions", json={"model": "m",
+                                                                    "prompt": "x"})
+        assert reply.status_code == 503
+        assert reply.json()["error"]["message"] == "no cell is serving"
         started = time.monotonic()
         (slow,) = _process(target, _headers(GENERATE_PATH, "application/grpc"))
         assert slow.immediate_response.grpc_status.status == \
@@ -341,6 +393,49 @@ def _served(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRe
         return stream(stub, msg)[2].usage.completion_tokens > 0
     except grpc.RpcError:
         return False
+
+
+def test_the_picker_follows_its_cells_file(gateway: Gateway, tmp_path: Path) -> None:
+    msg = request(PROMPT, [png(504)], max_tokens=2)
+    owner = gateway.owner(msg)
+    mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
+    path = tmp_path / "cells"
+    path.write_text(f"{other.name}/{other.http_port}\n")
+    with running_epp(EppConfig(cells_file=str(path), listen="127.0.0.1:0",
+                               health_interval=0.1)) as epp:
+        target = f"127.0.0.1:{epp.server.port}"
+        assert _destination(_process(target, *_grpc_request(msg))) == other.destination(True)
+        path.write_text("\n".join(f"{c.name}/{c.http_port}" for c in gateway.endpoints))
+        _wait(lambda: epp.read(lambda: len(epp.server.balancer.healthy)) == 2)
+        assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+        path.write_text("not a cell")  # a bad file keeps the cells it had
+        time.sleep(0.5)
+        assert epp.read(lambda: len(epp.server.balancer.healthy)) == 2
+        assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+
+
+def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0",
+                       tls=TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca)))
+    listen, admin = free_port(), free_port()
+    with running_epp(config) as epp:
+        with pytest.raises(grpc.RpcError):  # plaintext is refused
+            _process(f"127.0.0.1:{epp.server.port}", *_grpc_request(request(TEXT)))
+        bootstrap = envoy_bootstrap(
+            listen_port=listen, listen_address="127.0.0.1", epp_address="127.0.0.1",
+            epp_port=epp.server.port, admin_port=admin,
+            epp_tls=UpstreamTls(ca=str(pki.ca), cert=str(pki.client_cert),
+                                key=str(pki.client_key), sni="localhost"))
+        (tmp_path / "envoy").mkdir()
+        proc = start_envoy(bootstrap, tmp_path / "envoy")
+        try:
+            wait_envoy_ready(proc, admin, tmp_path / "envoy")
+            with grpc.insecure_channel(f"127.0.0.1:{listen}") as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                assert stream(stub, request(TEXT, max_tokens=2))[2].usage.completion_tokens == 2
+        finally:
+            stop_envoy(proc)
 
 
 def test_a_killed_cell_is_no_longer_picked(gateway: Gateway) -> None:

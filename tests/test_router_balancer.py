@@ -112,6 +112,38 @@ def test_bound_holds_for_any_mix_of_routes_releases_and_outages(ops, load_factor
         b.check_invariants()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 7),
+                          st.integers(0, 3)), max_size=120))
+def test_subsets_and_queue_bounds_narrow_the_pick_and_keep_the_bound(ops) -> None:
+    """The picker's limits: random subsets (bit masks of the cells), reported queues
+    against a bound of 2, health flips and releases. A pick lands in the subset, on a
+    healthy cell under its queue bound, within the load bound over those cells; there is
+    none exactly when no such cell exists."""
+    b = Balancer(CELLS, 1.25, queue_bound=2)
+    held: list[str] = []
+    for key, action, mask, queued in ops:
+        cell = CELLS[key % 3]
+        if action == 0:
+            b.set_healthy(cell, cell not in b.healthy)
+        elif action == 1:
+            b.set_queued(cell, queued)
+        elif action == 2 and held:
+            b.release(held.pop(key % len(held)))
+        else:
+            only = {c for i, c in enumerate(CELLS) if mask >> i & 1}
+            eligible = [c for c in CELLS if c in b.healthy and c in only and b.queued[c] < 2]
+            load = sum(b.in_flight[c] for c in eligible)
+            d = b.route(bytes([key]), only=only)
+            if not eligible:
+                assert d is None
+                continue
+            assert d is not None and d.cell in eligible
+            assert b.in_flight[d.cell] <= math.ceil(1.25 * (load + 1) / len(eligible))
+            held.append(d.cell)
+        b.check_invariants()
+
+
 def test_reasons_exclusions_and_bad_settings() -> None:
     b = _balancer()
     key = b"some image"
@@ -133,6 +165,10 @@ def test_reasons_exclusions_and_bad_settings() -> None:
         Balancer((CELLS[0], CELLS[0]))
     with pytest.raises(KeyError):
         b.set_healthy("elsewhere:1", True)
+    with pytest.raises(KeyError):
+        b.set_queued("elsewhere:1", 1)
+    with pytest.raises(ValueError, match="queue_bound"):
+        Balancer(CELLS, queue_bound=-1)
 
 
 def _req(prompt: str, images=(), salt: str = "") -> generate_pb2.GenerateRequest:
