@@ -28,8 +28,10 @@ if _dtype_name not in _DTYPES:
 DTYPE = _DTYPES[_dtype_name]
 REDUCED = DTYPE != torch.float32
 # A fraction of the reference's largest |logit|: bf16 keeps 8 significant bits (relative
-# step 2^-8 ~ 0.004) and every layer rounds its inputs, weights and outputs again.
-BF16_LOGITS_REL = 0.05
+# step 2^-8 ~ 0.004) and every layer rounds its inputs, weights and outputs again. Measured
+# in bf16 on CPU against float32 references: at most 0.012 (tests/test_hf_model.py and
+# tests/test_model_equivalence.py, every logits row); 0.03 leaves room for CUDA's kernels.
+BF16_LOGITS_REL = 0.03
 
 
 def tolerance(fp32_atol: float, reference: torch.Tensor) -> float:
