@@ -26,7 +26,7 @@ _dtype_name = os.environ.get("TANDEM_TEST_DTYPE", "float32")
 if _dtype_name not in _DTYPES:
     raise ValueError(f"TANDEM_TEST_DTYPE {_dtype_name!r} is not one of {', '.join(_DTYPES)}")
 DTYPE = _DTYPES[_dtype_name]
-REDUCED = DTYPE != torch.float32
+REDUCED = _dtype_name != "float32"
 # A fraction of the reference's largest |logit|: bf16 keeps 8 significant bits (relative
 # step 2^-8 ~ 0.004) and every layer rounds its inputs, weights and outputs again. Measured
 # in bf16 on CPU against float32 references: at most 0.012 (tests/test_hf_model.py and
@@ -34,21 +34,22 @@ REDUCED = DTYPE != torch.float32
 BF16_LOGITS_REL = 0.03
 
 
-def tolerance(fp32_atol: float, reference: torch.Tensor) -> float:
+def tolerance(fp32_atol: float, reference: torch.Tensor, dtype: torch.dtype = DTYPE) -> float:
     """The test's float32 ``atol``, or in a reduced dtype ``BF16_LOGITS_REL`` of the
     reference's largest magnitude (logits, or the vision tower's embeddings)."""
-    if not REDUCED:
+    if dtype == torch.float32:
         return fp32_atol
     return BF16_LOGITS_REL * float(reference.abs().max())
 
 
 def assert_greedy_close(ids: list[int], ref_ids: list[int], ref_logits: torch.Tensor,
-                        fp32_atol: float, logits: torch.Tensor | None = None) -> None:
+                        fp32_atol: float, logits: torch.Tensor | None = None,
+                        dtype: torch.dtype = DTYPE) -> None:
     """Tandem's greedy ``ids`` (and the ``logits`` rows that chose them, when the test has
-    them) against a reference's, by the rules in the module docstring."""
+    them) against a reference's, by the rules in the module docstring for ``dtype``."""
     ref_logits = ref_logits.float().cpu()
-    atol = tolerance(fp32_atol, ref_logits)
-    if not REDUCED:
+    atol = tolerance(fp32_atol, ref_logits, dtype)
+    if dtype == torch.float32:
         assert ids == ref_ids
         upto = len(ref_ids)
     else:
