@@ -8,7 +8,8 @@ network (docs/benchmarks.md, "GPU check").
 ``prepare`` writes into the gitignored ``.gpu-check/`` what the run carries:
 
 * ``requirements.txt``: docker/requirements.py's ``--gpu-check`` subset of the project's
-  pinned requirements (pyproject.toml, tool.tandem.gpu-check-dependencies);
+  pinned requirements (pyproject.toml, tool.tandem.gpu-check-dependencies), and
+  transformers pinned to the release in ``wheels/`` (``PINNED``);
 * ``wheels/``: those requirements and their dependencies as wheels for the machine's
   Python (CPython 3.12, manylinux x86-64), torch left out (the machine's CUDA build
   serves), and the large wheels of distributions the machine's image already holds in
@@ -39,6 +40,10 @@ PLATFORMS = [*(f"manylinux_2_{n}_x86_64" for n in (5, 12, 17, 24, 27, 28, 31, 34
 # 0.23.2, safetensors 0.8.0 as read there), each > 0.5 MB as a wheel: left behind.
 ON_THE_MACHINE = ("numpy", "pillow", "hf-xet", "tokenizers", "pygments", "regex", "pyyaml",
                   "safetensors")
+# The tests' reference implementation: the release the wheels hold (what the tests were last
+# run against here), not whichever the image has (5.17 when last read), whose APIs the tests
+# may not match.
+PINNED = ("transformers",)
 CARRY_LIMIT = 64 << 20  # what one device call carries, working tree included
 SMOLLM2_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja")
@@ -54,7 +59,6 @@ def prepare(dest: Path) -> None:
     reqs = subprocess.run([sys.executable, str(REPO / "docker" / "requirements.py"),
                            "--gpu-check", str(REPO / "pyproject.toml")],
                           check=True, capture_output=True, text=True).stdout.split()
-    (dest / "requirements.txt").write_text("\n".join(reqs) + "\n")
     wheels = dest / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
@@ -65,6 +69,9 @@ def prepare(dest: Path) -> None:
     for wheel in wheels.glob("*.whl"):
         if distribution(wheel) in ON_THE_MACHINE:
             wheel.unlink()
+        elif distribution(wheel) in PINNED:
+            reqs.append(f"{distribution(wheel)}=={wheel.name.split('-')[1]}")
+    (dest / "requirements.txt").write_text("\n".join(reqs) + "\n")
     from tandem_testing.hf_models import smollm2_dir  # builds .cache/ once (network)
 
     shape = dest / "smollm2-shape"
@@ -98,10 +105,9 @@ def environment() -> None:
               f"{p.major}.{p.minor}, {p.multi_processor_count} SMs")
     if not torch.cuda.is_available():
         print("gpu: none (torch.cuda.is_available() is False)")
-    names = [re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0]
-             for r in (DEST / "requirements.txt").read_text().split()]
+    lines = (DEST / "requirements.txt").read_text().split()
     found = []
-    for name in names:
+    for name in dict.fromkeys(re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in lines):
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
