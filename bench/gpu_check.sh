@@ -67,17 +67,17 @@ else
     STEP=(--batch 16 --prompt-tokens 512 --decode-steps 32 --reps 3)
 fi
 
-# 60 + 30 + 45 + 150 + 75 + 110 = 470 s at the very most
-step install 60 "$PY" -m pip install --no-index --find-links .gpu-check/wheels --no-compile \
+# 45 + 20 + 35 + 115 + 75 + 180 = 470 s at the very most
+step install 45 "$PY" -m pip install --no-index --find-links .gpu-check/wheels --no-compile \
     --disable-pip-version-check -q -r .gpu-check/requirements.txt
-step environment 30 "$PY" bench/gpu_check.py environment
-step model 45 "$PY" bench/gpu_check.py model .gpu-check/smollm2-shape "$MODEL"
-step tests 150 env TANDEM_TEST_DEVICE="$DEVICE" TANDEM_TEST_DTYPE="$DTYPE" \
+step environment 20 "$PY" bench/gpu_check.py environment
+step model 35 "$PY" bench/gpu_check.py model .gpu-check/smollm2-shape "$MODEL"
+step tests 115 env TANDEM_TEST_DEVICE="$DEVICE" TANDEM_TEST_DTYPE="$DTYPE" \
     "$PY" -m pytest -q -p no:randomly -p no:cacheprovider --timeout 120 \
     tests/test_model_equivalence.py tests/test_hf_model.py "${TESTS[@]}"
 step worker_step 75 "$PY" bench/worker_step.py --model small --device "$DEVICE" "${STEP[@]}"
 if [[ -f $MODEL/config.json ]]; then
-    step serve 110 "$PY" bench/serve.py --engines tandem --model "$MODEL" --dtype "$DTYPE" \
+    step serve 180 "$PY" bench/serve.py --engines tandem --model "$MODEL" --dtype "$DTYPE" \
         --tandem-args="--device $DEVICE" --rounds 1 --warmup 2 "${SERVE[@]}" \
         --work-dir "$WORK/serve" --out "$OUT/serve.json"
     # the engine's own log, for a failed or slow round
