@@ -1,11 +1,13 @@
 """Print the requirements one image of docker/Dockerfile installs, one per line.
 
-    python3 requirements.py PYPROJECT             project.dependencies (the full image)
-    python3 requirements.py --operator PYPROJECT  only those tool.tandem.operator-dependencies
-                                                  names (the operator image: no torch)
+    python3 requirements.py PYPROJECT              project.dependencies (the full image)
+    python3 requirements.py --operator PYPROJECT   only those tool.tandem.operator-dependencies
+                                                   names (the operator image: no torch)
+    python3 requirements.py --gpu-check PYPROJECT  tool.tandem.gpu-check-dependencies: what
+                                                   bench/gpu_check.sh installs from wheels
 
-Pins live once, in project.dependencies; the operator's list only names entries of it. Standard
-library only: the build runs it before anything is installed.
+Pins live once, in project.dependencies and the optional extras; the subsets only name
+entries of them. Standard library only: the build runs it before anything is installed.
 """
 
 from __future__ import annotations
@@ -24,27 +26,33 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def requirements(pyproject: dict, operator: bool) -> list[str]:
-    """project.dependencies, or the operator's subset of them (every name must be there)."""
-    dependencies = pyproject["project"]["dependencies"]
-    if not operator:
-        return dependencies
-    names = pyproject["tool"]["tandem"]["operator-dependencies"]
-    wanted = {requirement_name(name) for name in names}
-    chosen = [r for r in dependencies if requirement_name(r) in wanted]
+def requirements(pyproject: dict, subset: str | None = None) -> list[str]:
+    """project.dependencies, or the subset ``tool.tandem.<subset>`` names, picked from
+    project.dependencies and the optional extras (every name must be there)."""
+    project = pyproject["project"]
+    if subset is None:
+        return project["dependencies"]
+    pool = project["dependencies"] + [
+        r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+    wanted = {requirement_name(name) for name in pyproject["tool"]["tandem"][subset]}
+    chosen = [r for r in pool if requirement_name(r) in wanted]
     missing = wanted - {requirement_name(r) for r in chosen}
     if missing:
-        raise SystemExit(f"operator-dependencies not in project.dependencies: {sorted(missing)}")
+        raise SystemExit(f"{subset} not in the project's requirements: {sorted(missing)}")
     return chosen
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--operator", action="store_true", help="the operator image's subset")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--operator", dest="subset", action="store_const",
+                       const="operator-dependencies", help="the operator image's subset")
+    which.add_argument("--gpu-check", dest="subset", action="store_const",
+                       const="gpu-check-dependencies", help="bench/gpu_check.sh's subset")
     parser.add_argument("pyproject", type=Path)
     args = parser.parse_args()
     pyproject = tomllib.loads(args.pyproject.read_text())
-    print("\n".join(requirements(pyproject, args.operator)))
+    print("\n".join(requirements(pyproject, args.subset)))
 
 
 if __name__ == "__main__":

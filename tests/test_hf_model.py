@@ -23,6 +23,7 @@ import transformers
 from hf_checkpoints import hf_inputs, images, reference, save, smollm2_dir, vl_prompt
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
+from tandem_testing.device import DEVICE, DTYPE, assert_greedy_close, tolerance
 from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
 from worker_svc.checkpoint import load_model
 from worker_svc.model import Transformer
@@ -30,20 +31,20 @@ from worker_svc.request_state import new_request_state
 from worker_svc.runner import StepRunner
 from worker_svc.step import NewRequestData, SamplingParams, StepInput, StepOutput
 
-# float32 on CPU. Measured max |difference|: logits 1.4e-6 (magnitudes up to ~4) on every
+# float32 on CPU (tandem_testing/device.py: another device and dtype, bf16's tolerance).
+# Measured max |difference|: logits 1.4e-6 (magnitudes up to ~4) on every
 # tiny checkpoint, SmolLM2's 4e-5 (magnitudes ~30); vision embeddings 2.2e-6.
 LOGITS_ATOL = 1e-4
 VISION_ATOL = 5e-5
 BLOCK_SIZE = 4
 MAX_NEW = 8
-CPU = torch.device("cpu")
 # (width, height) pixels: square, wide, tall, and one over 8 patches a side (several
 # Qwen2.5-VL windows, the last ones partial).
 SIZES = [(56, 56), (224, 112), (60, 500), (400, 300)]
 
 
 def load(model_dir: Path) -> Transformer:
-    model = load_model(str(model_dir), CPU, torch.float32)
+    model = load_model(str(model_dir), DEVICE, DTYPE)
     model.setup_caches(num_blocks=256, block_size=BLOCK_SIZE)
     return model
 
@@ -129,8 +130,7 @@ def test_vlm_greedy_and_logits_match_transformers(vlm) -> None:
                                          chunk_size=7),
                          ScriptedRequest("together-text", tokens[:3], [], MAX_NEW + 2))
     for ids, logits in results[:-1]:
-        assert ids == ref_ids
-        torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+        assert_greedy_close(ids, ref_ids, ref_logits, LOGITS_ATOL, logits)
     assert not paged.runner.encoder_cache.entries, "every encoder output freed"
 
 
@@ -142,9 +142,10 @@ def test_vision_tower_matches_transformers(kind: str, tmp_path: Path) -> None:
     for pixels, grid in images([*SIZES, (1000, 10), (10, 1000)], seed=2):
         with torch.no_grad():
             want = hf.model.visual(pixels, grid_thw=grid).pooler_output
-            got = model.encode_image(pixels, int(grid[0, 1]), int(grid[0, 2]))
+            got = model.encode_image(pixels.to(DEVICE), int(grid[0, 1]), int(grid[0, 2]))
         assert got.shape == want.shape == (int(grid.prod()) // 4, model.config.dim)
-        torch.testing.assert_close(got, want, atol=VISION_ATOL, rtol=0)
+        torch.testing.assert_close(got.float().cpu(), want, atol=tolerance(VISION_ATOL, want),
+                                   rtol=0)
 
 
 def test_mrope_positions_match_get_rope_index(vlm) -> None:
@@ -190,8 +191,7 @@ def test_text_decoder_matches_transformers(kind: str, tmp_path: Path) -> None:
                                          num_computed_tokens=hit),
                          ScriptedRequest("chunked", tokens, [], MAX_NEW, chunk_size=3))
     for ids, logits in results:
-        assert ids == ref_ids
-        torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+        assert_greedy_close(ids, ref_ids, ref_logits, LOGITS_ATOL, logits)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "llama"])
@@ -207,7 +207,8 @@ def test_tied_embeddings_match_transformers_on_logits(kind: str, tmp_path: Path)
     with torch.no_grad():
         want = hf(**hf_inputs(tokens, pictures)).logits[0, -1]
     (_, logits), = Paged(model).run(ScriptedRequest("tied", tokens, features, 1))
-    torch.testing.assert_close(logits[0], want, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(logits[0].float().cpu(), want, atol=tolerance(LOGITS_ATOL, want),
+                               rtol=0)
 
 
 @pytest.mark.slow
@@ -228,8 +229,10 @@ def test_smollm2_real_weights_match_transformers() -> None:
         # An explicit attention mask: without one, generate masks every pad id (2, which
         # is also <|im_end|> in the chat template) out of the prompt.
         with torch.no_grad():
-            want = hf.generate(**hf_inputs(tokens, []), max_new_tokens=12, do_sample=False)
+            want = hf.generate(**hf_inputs(tokens, []), max_new_tokens=12, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
         (ids, _), = paged.run(ScriptedRequest(f"q{i}", tokens, [], 12))
-        assert ids == want[0, len(tokens):].tolist()
+        assert_greedy_close(ids, want.sequences[0, len(tokens):].tolist(),
+                            torch.cat(want.logits), LOGITS_ATOL)
         answers.append(tokenizer.decode(ids))
     assert "Paris" in answers[0], answers[0]

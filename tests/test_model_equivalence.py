@@ -5,7 +5,8 @@ block tables, encoder cache) with a cold cache, with the prefix fully cached by 
 earlier identical request, and with chunked prefill in small chunks that cut through the
 images, gives the token ids of a reference that recomputes the whole sequence every
 token with causal attention and no cache; logits agree within LOGITS_ATOL (float32 on
-CPU; the paths differ only in summation order). Both RoPE and M-RoPE.
+CPU; the paths differ only in summation order; another device and dtype, and bf16's
+tolerance: tandem_testing/device.py). Both RoPE and M-RoPE.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
 from tandem.strip import strip_covered_mm_data
+from tandem_testing.device import DEVICE, DTYPE, REDUCED, assert_greedy_close
 from tandem_testing.scripted import (
     ScriptedRequest,
     ScriptedScheduler,
@@ -39,10 +41,10 @@ def reference_logits(model: Transformer, tokens: list[int], positions: torch.Ten
                      image_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """Logits (n, V) of every position: full causal attention, no cache, no block tables."""
     n = len(tokens)
-    h = model.tok_embeddings(torch.tensor(tokens))
+    h = model.tok_embeddings(torch.tensor(tokens, device=DEVICE))
     for offset, embeds in image_rows:
         h[offset:offset + embeds.shape[0]] = embeds
-    rot = rotary_for_positions(model.rope, positions, model.rope_components)
+    rot = rotary_for_positions(model.rope, positions.to(DEVICE), model.rope_components)
     for layer in model.layers:
         a = layer.attention
         q, k, v = a.wqkv(layer.attention_norm(h)).split([a.q_size, a.kv_size, a.kv_size], -1)
@@ -65,7 +67,7 @@ def reference_generate(model: Transformer, tokens: list[int],
         assert isinstance(f.data, MultiModalKwargsItem)
         _, gh, gw = (int(x) for x in f.data[IMAGE_GRID_THW].data[0])
         image_rows.append((f.mm_position.offset,
-                           model.encode_image(f.data["pixel_values"].data, gh, gw)))
+                           model.encode_image(f.data["pixel_values"].data.to(DEVICE), gh, gw)))
         spans.append(ImageSpan(f.mm_position.offset, gh // 2, gw // 2))
     seq, out, chosen = list(tokens), [], []
     for _ in range(MAX_NEW):
@@ -84,7 +86,7 @@ def reference_generate(model: Transformer, tokens: list[int],
 @pytest.fixture(scope="module", params=["tiny", "tiny-mrope"])
 def setup(request: pytest.FixtureRequest):
     config = PRESETS[request.param]
-    model = build_model(config, torch.device("cpu"), torch.float32)
+    model = build_model(config, DEVICE, DTYPE)
     model.setup_caches(num_blocks=128, block_size=BLOCK_SIZE)
     images = [("img-a", synthetic_image(config, 4, 6, seed=1)),  # merged 2x3
               ("img-b", synthetic_image(config, 6, 4, seed=2))]  # merged 3x2
@@ -114,8 +116,7 @@ def test_cold_cached_and_chunked_match_reference(setup) -> None:
 
     cold = ScriptedRequest("cold", tokens, features, MAX_NEW)
     ids, logits = run_paged(model, sched, runner, cold)
-    assert ids == ref_ids
-    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_close(ids, ref_ids, ref_logits, LOGITS_ATOL, logits)
 
     # Prefix hit: every full prompt block but the one holding the last token.
     hit = (len(tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -126,21 +127,19 @@ def test_cold_cached_and_chunked_match_reference(setup) -> None:
                              prefix_blocks=cold.block_ids[:hit // BLOCK_SIZE],
                              num_computed_tokens=hit)
     ids, logits = run_paged(model, sched, runner, cached)
-    assert ids == ref_ids
-    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_close(ids, ref_ids, ref_logits, LOGITS_ATOL, logits)
     assert cached.block_ids[:hit // BLOCK_SIZE] == cold.block_ids[:hit // BLOCK_SIZE]
 
     chunked = ScriptedRequest("chunked", tokens, features, MAX_NEW, chunk_size=5)
     ids, logits = run_paged(model, sched, runner, chunked)
-    assert ids == ref_ids
-    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_close(ids, ref_ids, ref_logits, LOGITS_ATOL, logits)
     assert not runner.requests and not runner.encoder_cache.entries, "all state released"
 
 
 def test_requests_stepped_together_match_each_alone(setup) -> None:
     """Decodes of different context lengths share one padded attention call, next to a
     prefill chunk of another request: every request still gets its own tokens."""
-    model, tokens, features, (ref_ids, _) = setup
+    model, tokens, features, (ref_ids, ref_logits) = setup
     short = tokens[:7]  # BOS + "Look: ": text only, a much shorter context
 
     def requests() -> list[ScriptedRequest]:
@@ -154,5 +153,9 @@ def test_requests_stepped_together_match_each_alone(setup) -> None:
         alone.append(req.output)
     together = requests()
     ScriptedScheduler(BLOCK_SIZE).run(StepRunner(model, receiver=None).step, together)
-    assert [r.output for r in together] == alone
-    assert together[0].output == together[2].output == ref_ids
+    if not REDUCED:
+        assert [r.output for r in together] == alone
+    # In bf16 a batch of other rows may round differently than alone (another GEMM kernel):
+    # each request then agrees with the reference up to a near-tie.
+    for req in (together[0], together[2]):
+        assert_greedy_close(req.output, ref_ids, ref_logits, LOGITS_ATOL)
