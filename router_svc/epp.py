@@ -21,6 +21,7 @@ every wait itself).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -122,7 +123,8 @@ def parse_cells(text: str, default_http_port: int) -> tuple[CellEndpoint, ...]:
 
 
 async def resolved(cell: CellEndpoint) -> CellEndpoint:
-    """``cell`` with its host resolved to an IP address (the first the resolver gives)."""
+    """``cell`` with its host resolved to an IP address (the first the resolver gives);
+    OSError when it resolves to none."""
     try:
         ipaddress.ip_address(cell.host)
         return CellEndpoint(cell.host, cell.grpc_port, cell.http_port, cell.host)
@@ -196,25 +198,44 @@ def subset_hint(metadata: ext_proc.Metadata) -> frozenset[str] | None:
 # --- picking -----------------------------------------------------------------------------
 
 class Picker:
-    """The cells by name and the router's balancer over them."""
+    """The cells by name and the router's balancer over them.
+
+    A cell's host is resolved again at every :meth:`resolve` (each health interval): on
+    Kubernetes a scheduler pod that is not ready yet has no DNS record, and a restarted one
+    has a new IP. A cell without an address is never picked (the others still are)."""
 
     def __init__(self, balancer: Balancer, cells: Sequence[CellEndpoint]) -> None:
         self.balancer = balancer
         self.cells = {c.name: c for c in cells}
 
+    async def resolve(self) -> None:
+        found = await asyncio.gather(*(resolved(c) for c in self.cells.values()),
+                                     return_exceptions=True)
+        for name, cell in zip(list(self.cells), found, strict=True):
+            if isinstance(cell, CellEndpoint):
+                self.cells[name] = cell
+            elif isinstance(cell, OSError):
+                if self.cells[name].ip:
+                    log.warning("cell %s no longer resolves (%s): not picked", name, cell)
+                self.cells[name] = dataclasses.replace(self.cells[name], ip="")
+            else:
+                raise cell
+
     def in_subset(self, hint: Collection[str]) -> set[str]:
         """The cells a subset hint names, by either of their ports or their bare IP."""
         return {name for name, c in self.cells.items()
-                if {c.ip, c.destination(True), c.destination(False)} & set(hint)}
+                if c.ip and {c.ip, c.destination(True), c.destination(False)} & set(hint)}
 
     def pick(self, key: RoutingKey, hint: Collection[str] | None) -> RouteDecision:
         """A slot on a cell (give it back with ``balancer.release``), or the refusal."""
-        only = None if hint is None else self.in_subset(hint)
+        addressed = {name for name, c in self.cells.items() if c.ip}
+        only = (None if len(addressed) == len(self.cells) else addressed) if hint is None \
+            else self.in_subset(hint)
         decision = self.balancer.route(key, only=only)
         if decision is not None:
             return decision
         if not self.balancer.serving(only=only):
-            raise Unavailable("no cell is serving" if only is None else
+            raise Unavailable("no cell is serving" if hint is None else
                               "no cell of the gateway's subset hint is serving")
         raise ResourceExhausted("every cell's queue is full; retry later", "QUEUE_FULL")
 

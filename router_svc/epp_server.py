@@ -22,7 +22,6 @@ from router_svc.epp import (
     Picker,
     ext_proc_handler,
     parse_cells,
-    resolved,
 )
 from router_svc.metrics import start_metrics
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
@@ -67,24 +66,39 @@ class EppConfig:
 
 @dataclass
 class CellSet:
-    """The cells the picker serves now: the picker over them and the pool checking them."""
+    """The cells the picker serves now: the picker over them, the pool checking them and
+    the task resolving their hosts again every health interval."""
 
     picker: Picker
     pool: CellPool
+    resolver: asyncio.Task[None]
 
     @classmethod
     async def start(cls, cells: Sequence[CellEndpoint], config: EppConfig,
                     credentials: grpc.ChannelCredentials | None) -> CellSet:
-        """Resolve the hosts and run one round of checks (OSError: a host that does not
-        resolve)."""
+        """Resolve the hosts (one that does not resolve yet is left out until it does)
+        and run one round of checks."""
         if not cells:
             raise ValueError("the endpoint picker needs at least one cell")
-        resolved_cells = await asyncio.gather(*(resolved(c) for c in cells))
-        balancer = Balancer([c.name for c in resolved_cells], config.load_factor,
+        balancer = Balancer([c.name for c in cells], config.load_factor,
                             queue_bound=config.queue_bound)
+        picker = Picker(balancer, cells)
+        await picker.resolve()
         pool = CellPool(balancer, config.health_interval, credentials=credentials)
         await pool.start()
-        return cls(Picker(balancer, resolved_cells), pool)
+
+        async def resolve_again() -> None:
+            while True:
+                await asyncio.sleep(config.health_interval)
+                await picker.resolve()
+
+        return cls(picker, pool, asyncio.create_task(resolve_again(), name="cell-addresses"))
+
+    async def close(self) -> None:
+        self.resolver.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.resolver
+        await self.pool.close()
 
 
 class CellsFile:
@@ -142,7 +156,7 @@ class EppServer:
                 continue
             current, old, self.cells = cells, self.cells, new
             self.servicer.picker = new.picker
-            await old.pool.close()
+            await old.close()
             log.warning("cells file %s: now %d cells (%d up)", file.path, len(cells),
                         len(new.picker.balancer.healthy))
 
@@ -154,15 +168,15 @@ class EppServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.watcher
         await self.grpc.stop(grace)
-        await self.cells.pool.close()
+        await self.cells.close()
         if self.metrics is not None:
             await self.metrics.close()
 
 
 async def create_epp(config: EppConfig) -> EppServer:
     """Start serving; returns after one round of cell checks. Bad TLS files raise
-    TlsConfigError, unresolvable cell hosts OSError, a bad cells file OSError or
-    ValueError, before anything starts."""
+    TlsConfigError, a bad cells file OSError or ValueError, before anything starts; a cell
+    host that does not resolve yet is only left out until it does (:class:`Picker`)."""
     credentials = server_credentials(config.tls)
     cell_credentials = channel_credentials(config.cell_tls) if config.cell_tls.enabled else None
     file = CellsFile(config.cells_file, config.http_port) if config.cells_file else None
@@ -181,7 +195,7 @@ async def create_epp(config: EppConfig) -> EppServer:
     try:
         port = await server.start(tcp_binder(config.listen, credentials), config.health_listen)
     except BaseException:
-        await cells.pool.close()
+        await cells.close()
         raise
     for name in (LIVENESS, READINESS):
         await server.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -4,7 +4,9 @@ bound (router_svc/epp.py, router_svc/balancer.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import json
 
 import pytest
@@ -132,3 +134,24 @@ def test_the_picker_keeps_to_the_hint_and_the_queue_bound() -> None:
     balancer.set_queued("10.0.0.1:50051", 3)  # drained below the bound: eligible again
     assert picker.pick(b"k", {"10.0.0.1"}).cell == "10.0.0.1:50051"
     balancer.check_invariants()
+
+
+def test_a_cell_whose_host_does_not_resolve_yet_is_left_out_until_it_does() -> None:
+    """On Kubernetes a scheduler pod that is not ready has no DNS record yet: the picker
+    must start and route to the others, and take the cell once its name resolves."""
+    ready = CellEndpoint("127.0.0.1", 50051, 8000)
+    pending = CellEndpoint("cell-1.not-ready.invalid", 50051, 8000)
+    balancer = Balancer([ready.name, pending.name])
+    picker = Picker(balancer, [ready, pending])
+    asyncio.run(picker.resolve())  # no OSError: the unresolved cell just has no address
+    assert (picker.cells[ready.name].ip, picker.cells[pending.name].ip) == ("127.0.0.1", "")
+    for c in (ready, pending):
+        balancer.set_healthy(c.name, True)  # healthy by its gRPC check, even so
+    for i in range(40):
+        decision = picker.pick(bytes([i]), None)
+        assert decision.cell == ready.name
+        balancer.release(decision.cell)
+    # the name resolves now (as the next resolve() finds it)
+    picker.cells[pending.name] = dataclasses.replace(pending, ip="10.0.0.7")
+    picked = {picker.pick(bytes([i]), None).cell for i in range(40)}
+    assert picked == {ready.name, pending.name}
