@@ -6,14 +6,18 @@ images are hot and many are rare) to the same three ``tandem serve`` cells:
 * ``round-robin``: the client sends request i straight to cell i mod 3;
 * ``affinity``: straight to the cell the router's balancer picks (the routing policy
   alone, no extra hop);
-* ``router``: through a ``tandem router`` process (the policy plus the router's hop).
+* ``router``: through a ``tandem router`` process (the policy plus the router's hop);
+* ``gateway``: through ``tandem gateway`` (a real Envoy asking the endpoint picker, which
+  runs the router's policy: issue 26's replacement of the router; the picker's added
+  latency alone is ``bench/gateway_latency.py``'s).
 
 Each arm uses its own ``cache_salt``, so no arm reuses another's cached images or
 prefixes. Requests run one at a time and the arms take turns request by request (rotating
 who goes first), so drifting load on a shared machine hits every arm alike; an arm's
 tokens/s is its tokens over the time spent in its own requests. The script prints hit
-rates and tokens/s per arm, the ratios to round-robin, and the ceiling: the hit rate of
-one cell with an unbounded cache (every repeat of an image hits). Run::
+rates, tokens/s and TTFT p50/p99 per arm, the ratios to round-robin and the gateway's to
+the router (issue 26's target: a hit rate >= 0.95x the router's), and the ceiling: the hit
+rate of one cell with an unbounded cache (every repeat of an image hits). Run::
 
     python bench/routing.py --quick      # ~2 minutes on 2 busy cores
     python bench/routing.py --requests 300 --images 40
@@ -49,8 +53,8 @@ from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 PROMPT = "Describe <image> in a few words."
 BLOCK_SIZE = 16
-# (request index, request) -> (the cell that served it, its usage)
-Send = Callable[[int, generate_pb2.GenerateRequest], tuple[str, generate_pb2.Usage]]
+# (request index, request) -> (the cell that served it, its usage, its TTFT in seconds)
+Send = Callable[[int, generate_pb2.GenerateRequest], tuple[str, generate_pb2.Usage, float]]
 
 
 @dataclass
@@ -63,25 +67,31 @@ class Arm:
     usage: Counter[str] = field(default_factory=Counter)
     per_cell: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    ttfts: list[float] = field(default_factory=list)
 
     def run(self, i: int, msg: generate_pb2.GenerateRequest) -> None:
         start = time.perf_counter()
         try:
-            cell, usage = self.send(i, msg)
+            cell, usage, ttft = self.send(i, msg)
         except grpc.RpcError as exc:
             self.errors[exc.code().name] += 1
             return
         finally:
             self.seconds += time.perf_counter() - start
+        self.ttfts.append(ttft)
         self.per_cell[cell] += 1
         for f in usage.DESCRIPTOR.fields:
-            self.usage[f.name] += getattr(usage, f.name)
+            if not f.is_repeated and f.message_type is None:  # the counts
+                self.usage[f.name] += getattr(usage, f.name)
 
     def rate(self, part: str, whole: str) -> float:
         return self.usage[part] / max(self.usage[whole], 1)
 
     def per_s(self, what: str) -> float:
         return self.usage[what] / self.seconds
+
+    def ttft_ms(self, q: int) -> float:
+        return float(np.percentile(self.ttfts, q)) * 1e3 if self.ttfts else float("nan")
 
 
 def zipf_sequence(n: int, distinct: int, s: float, seed: int) -> list[int]:
@@ -92,20 +102,26 @@ def zipf_sequence(n: int, distinct: int, s: float, seed: int) -> list[int]:
 
 
 def call(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateRequest,
-         cell: str) -> tuple[str, generate_pb2.Usage]:
+         cell: str) -> tuple[str, generate_pb2.Usage, float]:
+    start = time.perf_counter()
     stream = stub.Generate(msg, timeout=300)
-    last = list(stream)[-1]
-    return dict(stream.initial_metadata()).get(CELL_HEADER, cell), last.usage
+    ttft = 0.0
+    for last in stream:
+        if last.token_ids and not ttft:
+            ttft = time.perf_counter() - start
+    return dict(stream.initial_metadata()).get(CELL_HEADER, cell), last.usage, ttft
 
 
-def make_arms(cells: list[Cell], router: generate_pb2_grpc.GenerationStub) -> list[Arm]:
+def make_arms(cells: list[Cell], router: generate_pb2_grpc.GenerationStub,
+              gateway: generate_pb2_grpc.GenerationStub) -> list[Arm]:
     stubs = {c.target: c.stub for c in cells}
     targets = [c.target for c in cells]
     balancer = Balancer(targets)
     for t in targets:
         balancer.set_healthy(t, True)
 
-    def affinity(_: int, msg: generate_pb2.GenerateRequest) -> tuple[str, generate_pb2.Usage]:
+    def affinity(_: int, msg: generate_pb2.GenerateRequest,
+                 ) -> tuple[str, generate_pb2.Usage, float]:
         decision = balancer.route(routing_key(msg, BLOCK_SIZE))
         assert decision is not None
         try:
@@ -115,7 +131,8 @@ def make_arms(cells: list[Cell], router: generate_pb2_grpc.GenerationStub) -> li
 
     return [Arm("round-robin", lambda i, m: call(stubs[targets[i % 3]], m, targets[i % 3])),
             Arm("affinity", affinity),
-            Arm("router", lambda _, m: call(router, m, "?"))]
+            Arm("router", lambda _, m: call(router, m, "?")),
+            Arm("gateway", lambda _, m: call(gateway, m, "?"))]
 
 
 def run(arms: list[Arm], images: list[bytes], seq: list[int], max_tokens: int) -> None:
@@ -128,16 +145,18 @@ def run(arms: list[Arm], images: list[bytes], seq: list[int], max_tokens: int) -
 
 
 @contextmanager
-def router_process(cells: list[Cell], tmp: Path) -> Iterator[generate_pb2_grpc.GenerationStub]:
-    """``tandem router`` over the cells, stopped with SIGTERM afterwards."""
+def serving_process(name: str, args: list[str], tmp: Path,
+                    ) -> Iterator[generate_pb2_grpc.GenerationStub]:
+    """``tandem NAME ARGS --listen 127.0.0.1:PORT`` (the router or the gateway) until it
+    serves the cells' health through its port; stopped with SIGTERM afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem_cli.cli", "router", "--cells",
-           ",".join(c.target for c in cells), "--listen", f"127.0.0.1:{port}"]
-    with open(tmp / "router.log", "wb") as log:
+    cmd = [sys.executable, "-m", "tandem_cli.cli", name, *args, "--listen", f"127.0.0.1:{port}"]
+    log_path = tmp / f"{name}.log"
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        wait_serving(health_pb2_grpc.HealthStub(channel), proc, tmp / "router.log")
+        wait_serving(health_pb2_grpc.HealthStub(channel), proc, log_path)
         yield generate_pb2_grpc.GenerationStub(channel)
     finally:
         channel.close()
@@ -155,7 +174,7 @@ def wait_serving(health: health_pb2_grpc.HealthStub, proc: subprocess.Popen, log
         except grpc.RpcError:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError(f"router not serving:\n{log.read_text()}")
+            raise RuntimeError(f"{log.stem} not serving:\n{log.read_text()}")
         time.sleep(0.2)
 
 
@@ -183,15 +202,17 @@ def print_environment(args: argparse.Namespace) -> None:
 def print_results(arms: list[Arm], seq: list[int]) -> None:
     ceiling = 1 - len(set(seq)) / len(seq)
     print(f"\n{'arm':<12} {'mm hit':>7} {'prefix hit':>10} {'encoder':>7} {'gen tok/s':>9} "
-          f"{'prompt tok/s':>12} {'ms/req':>7}  per cell   errors")
+          f"{'prompt tok/s':>12} {'ms/req':>7} {'TTFT p50':>8} {'TTFT p99':>8}  per cell   "
+          "errors")
     for arm in arms:
         spread = "/".join(str(n) for n in sorted(arm.per_cell.values(), reverse=True))
         n = max(sum(arm.per_cell.values()), 1)
         print(f"{arm.name:<12} {arm.rate('mm_cache_hits', 'mm_items'):>7.1%} "
               f"{arm.rate('cached_prompt_tokens', 'prompt_tokens'):>10.1%} "
               f"{arm.usage['encoder_runs']:>7} {arm.per_s('completion_tokens'):>9.2f} "
-              f"{arm.per_s('prompt_tokens'):>12.1f} {1000 * arm.seconds / n:>7.0f}  "
-              f"{spread:<10} {dict(arm.errors) or 0}")
+              f"{arm.per_s('prompt_tokens'):>12.1f} {1000 * arm.seconds / n:>7.0f} "
+              f"{arm.ttft_ms(50):>8.1f} {arm.ttft_ms(99):>8.1f}  {spread:<10} "
+              f"{dict(arm.errors) or 0}")
     print(f"{'one cell':<12} {ceiling:>7.1%}  (ceiling: every repeat of an image hits)")
     rr = arms[0]
     rr_hits = max(rr.rate("mm_cache_hits", "mm_items"), 1e-9)
@@ -200,6 +221,13 @@ def print_results(arms: list[Arm], seq: list[int]) -> None:
         print(f"{arm.name} / round-robin: mm hit rate x{hits / rr_hits:.2f}, tokens/s "
               f"x{arm.per_s('completion_tokens') / rr.per_s('completion_tokens'):.2f}; "
               f"{hits / ceiling:.0%} of the one-cell ceiling")
+    router, gateway = (next(a for a in arms if a.name == n) for n in ("router", "gateway"))
+    hits = gateway.rate("mm_cache_hits", "mm_items") / max(
+        router.rate("mm_cache_hits", "mm_items"), 1e-9)
+    tps = gateway.per_s("completion_tokens") / router.per_s("completion_tokens")
+    print(f"gateway / router: mm hit rate x{hits:.2f} (target >= 0.95), tokens/s x{tps:.2f}, "
+          f"TTFT p50 x{gateway.ttft_ms(50) / router.ttft_ms(50):.2f}, "
+          f"p99 x{gateway.ttft_ms(99) / router.ttft_ms(99):.2f}")
 
 
 def main() -> None:
@@ -221,10 +249,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
         tmp = Path(d)
         cells = start_cells(tmp, stack)
-        router = stack.enter_context(router_process(cells, tmp))
+        targets = ",".join(c.target for c in cells)
+        router = stack.enter_context(serving_process("router", ["--cells", targets], tmp))
+        gateway = stack.enter_context(serving_process(
+            "gateway", ["--cells", targets, "--admin-port", str(free_port()),
+                        "--epp-listen", f"127.0.0.1:{free_port()}"], tmp))
         for i, cell in enumerate(cells):  # first requests pay one-off start-up costs
             cell.generate(PROMPT, [png(i, width, height)], max_tokens=2, cache_salt="warmup")
-        arms = make_arms(cells, router)
+        arms = make_arms(cells, router, gateway)
         run(arms, images, seq, args.max_tokens)
     print_results(arms, seq)
 
