@@ -228,9 +228,8 @@ class Picker:
 
     def pick(self, key: RoutingKey, hint: Collection[str] | None) -> RouteDecision:
         """A slot on a cell (give it back with ``balancer.release``), or the refusal."""
-        addressed = {name for name, c in self.cells.items() if c.ip}
-        only = (None if len(addressed) == len(self.cells) else addressed) if hint is None \
-            else self.in_subset(hint)
+        only = ({name for name, c in self.cells.items() if c.ip} if hint is None
+                else self.in_subset(hint))
         decision = self.balancer.route(key, only=only)
         if decision is not None:
             return decision

@@ -342,13 +342,20 @@ class Scheduler:
     def _fill_masks(self, out: SchedulerOutput) -> None:
         """The masks of the step's constrained requests that sample, computed together
         (requests preempted since they were committed left the step)."""
-        requests = [r for r in self._to_mask if r.status is Status.RUNNING]
+        out.token_masks = self._masks(out, self._to_mask)
         self._to_mask = []
-        if requests:
-            start = time.perf_counter()
-            masks = allowed_masks([r.matcher for r in requests])
-            out.token_masks = {r.request_id: m for r, m in zip(requests, masks, strict=True)}
-            out.mask_seconds += time.perf_counter() - start
+
+    @staticmethod
+    def _masks(out: SchedulerOutput, requests: Sequence[Request]) -> dict[str, bytes]:
+        """Request id -> mask of those of ``requests`` still running, computed together;
+        the time goes to ``out.mask_seconds``."""
+        live = [r for r in requests if r.status is Status.RUNNING]
+        if not live:
+            return {}
+        start = time.perf_counter()
+        masks = allowed_masks([r.matcher for r in live])
+        out.mask_seconds += time.perf_counter() - start
+        return {r.request_id: m for r, m in zip(live, masks, strict=True)}
 
     def _schedule_encoder(self, request: Request, n: int,
                           budget: int) -> tuple[int, list[int], int]:
@@ -416,12 +423,7 @@ class Scheduler:
         (their matchers have its tokens). A request that is no longer running (finished,
         aborted or preempted since) gets a mask allowing token 0 alone: what ``out``
         samples for it is dropped anyway."""
-        start = time.perf_counter()
-        live = [r for r in out.deferred_masks if r.status is Status.RUNNING]
-        masks = dict(zip((r.request_id for r in live),
-                         allowed_masks([r.matcher for r in live]),
-                         strict=True))
-        out.mask_seconds += time.perf_counter() - start
+        masks = self._masks(out, out.deferred_masks)
         return {r.request_id: masks.get(r.request_id, _ONLY_TOKEN_0)
                 for r in out.deferred_masks}
 

@@ -452,4 +452,3 @@ class StepRunner:
         for state in self.requests.values():
             state.check_invariants(self.model.block_size, self.model.num_blocks)
         self.encoder_cache.check_invariants()
-
