@@ -24,6 +24,7 @@ from router_svc.epp import (
     parse_cells,
 )
 from router_svc.metrics import start_metrics
+from router_svc.pool_watch import KubeClient, PoolSource, PoolWatch, connection
 from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
 from tandem.shutdown import DEFAULT_GRACE_S, serve_until_signalled
@@ -43,7 +44,8 @@ class EppConfig:
     ``load_factor``, ``block_size``, ``health_interval``, ``tls`` (the ext_proc port) and
     ``cell_tls`` (toward the cells) mean what they mean for ``tandem router``.
     ``cells_file``: read the cells from this file instead of ``cells``, and again
-    whenever it changes. ``queue_bound``: a cell reporting this many requests in flight
+    whenever it changes. ``pool``: follow an InferencePool's pods instead
+    (:mod:`router_svc.pool_watch`). ``queue_bound``: a cell reporting this many requests in flight
     takes no more (0 = no bound); when every eligible cell is there, the answer is 429.
     ``body_timeout_s`` bounds the wait for a request's body.
     """
@@ -62,6 +64,7 @@ class EppConfig:
     health_listen: str = ""
     cells_file: str = ""  # when set, the cells come from it (re-read on change)
     http_port: int = 8000  # the cells file's entries without an HTTP port
+    pool: PoolSource | None = None  # when set, the cells are the pool's ready pods
 
 
 @dataclass
@@ -77,15 +80,18 @@ class CellSet:
     async def start(cls, cells: Sequence[CellEndpoint], config: EppConfig,
                     credentials: grpc.ChannelCredentials | None) -> CellSet:
         """Resolve the hosts (one that does not resolve yet is left out until it does)
-        and run one round of checks."""
-        if not cells:
-            raise ValueError("the endpoint picker needs at least one cell")
+        and run one round of checks. No cells is a set too: an InferencePool may select
+        no ready pod; the picker then answers 503."""
         balancer = Balancer([c.name for c in cells], config.load_factor,
                             queue_bound=config.queue_bound)
         picker = Picker(balancer, cells)
         await picker.resolve()
         pool = CellPool(balancer, config.health_interval, credentials=credentials)
-        await pool.start()
+        try:
+            await pool.start()
+        except BaseException:  # cancelled (shutdown) while checking: close the channels
+            await pool.close()
+            raise
 
         async def resolve_again() -> None:
             while True:
@@ -118,6 +124,8 @@ class CellsFile:
         """The cells now in the file (OSError, ValueError when it is unreadable or bad)."""
         st = self.path.stat()
         cells = parse_cells(self.path.read_text().replace("\n", ","), self.default_http_port)
+        if not cells:
+            raise ValueError("the file names no cell")
         self._seen = (st.st_mtime_ns, st.st_size)
         return cells
 
@@ -128,6 +136,8 @@ class EppServer:
     port: int
     servicer: EppServicer
     cells: CellSet
+    config: EppConfig
+    cell_credentials: grpc.ChannelCredentials | None
     metrics: MetricsEndpoint | None = None
     watcher: asyncio.Task[None] | None = None
 
@@ -139,26 +149,54 @@ class EppServer:
     def balancer(self) -> Balancer:
         return self.servicer.picker.balancer
 
-    async def follow(self, file: CellsFile, current: tuple[CellEndpoint, ...],
-                     config: EppConfig, credentials: grpc.ChannelCredentials | None) -> None:
+    async def use(self, cells: Sequence[CellEndpoint], source: str) -> None:
+        """Switch to ``cells``: the one way the cells change, whatever their source.
+        Streams already picked finish on the cells they were given."""
+        new = await CellSet.start(cells, self.config, self.cell_credentials)
+        old, self.cells = self.cells, new
+        self.servicer.picker = new.picker
+        await old.close()
+        log.warning("%s: now %d cells (%d up)", source, len(cells),
+                    len(new.picker.balancer.healthy))
+
+    async def follow(self, file: CellsFile, current: tuple[CellEndpoint, ...]) -> None:
         """Switch to the file's cells whenever they change from ``current``; a bad file
-        keeps the current ones. Streams already picked finish on the cells they were
-        given."""
+        keeps the current ones."""
         while True:
-            await asyncio.sleep(config.health_interval)
+            await asyncio.sleep(self.config.health_interval)
             try:
                 if not file.changed() or (cells := file.read()) == current:
                     continue
-                new = await CellSet.start(cells, config, credentials)
             except (OSError, ValueError) as exc:
                 log.warning("cells file %s: %s; keeping the current %d cells", file.path, exc,
                             len(self.balancer.cells))
                 continue
-            current, old, self.cells = cells, self.cells, new
-            self.servicer.picker = new.picker
-            await old.close()
-            log.warning("cells file %s: now %d cells (%d up)", file.path, len(cells),
-                        len(new.picker.balancer.healthy))
+            await self.use(cells, f"cells file {file.path}")
+            current = cells
+
+    async def watch_pool(self, source: PoolSource) -> None:
+        """Follow the pool's ready pods (:class:`router_svc.pool_watch.PoolWatch`); ready
+        from the first list of them on. The watch retries what it expects (an unreachable
+        API server, a missing pool); anything else ends it, logged, with liveness and
+        readiness NOT_SERVING, so that the kubelet restarts a picker whose cells would
+        otherwise stay as they are for good."""
+        async def publish(cells: tuple[CellEndpoint, ...]) -> None:
+            await self.use(cells, watch.pool_name)
+            await self.grpc.health.set(READINESS, health_pb2.HealthCheckResponse.SERVING)
+            await self.grpc.set_serving(True)
+
+        try:
+            config, namespace = await asyncio.to_thread(connection, source)
+            client = KubeClient(config)
+            watch = PoolWatch(client, namespace, source, self.config.http_port, publish)
+            try:
+                await watch.run()
+            finally:
+                await client.close()
+        except Exception:
+            log.exception("following InferencePool %s stopped", source.pool)
+            for name in (LIVENESS, READINESS):
+                await self.grpc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING (Envoy's health check stops sending new streams), running streams
@@ -180,7 +218,7 @@ async def create_epp(config: EppConfig) -> EppServer:
     credentials = server_credentials(config.tls)
     cell_credentials = channel_credentials(config.cell_tls) if config.cell_tls.enabled else None
     file = CellsFile(config.cells_file, config.http_port) if config.cells_file else None
-    initial = file.read() if file else config.cells
+    initial = file.read() if file else config.cells  # none with a pool: until it is listed
     cells = await CellSet.start(initial, config, cell_credentials)
     registry = CollectorRegistry()
     refused = Counter("tandem_epp_refused", "Requests the endpoint picker answered itself "
@@ -197,17 +235,18 @@ async def create_epp(config: EppConfig) -> EppServer:
     except BaseException:
         await cells.close()
         raise
-    for name in (LIVENESS, READINESS):
-        await server.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    await server.set_serving(True)
-    running = EppServer(server, port, servicer, cells)
+    await server.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    if config.pool is None:
+        await server.health.set(READINESS, health_pb2.HealthCheckResponse.SERVING)
+        await server.set_serving(True)
+    running = EppServer(server, port, servicer, cells, config, cell_credentials)
     if config.metrics_port:
         running.metrics = await start_metrics(lambda: running.balancer, config.metrics_port,
                                               registry)
     if file is not None:
-        running.watcher = asyncio.create_task(running.follow(file, initial, config,
-                                                                  cell_credentials),
-                                              name="cells-file")
+        running.watcher = asyncio.create_task(running.follow(file, initial), name="cells-file")
+    elif config.pool is not None:
+        running.watcher = asyncio.create_task(running.watch_pool(config.pool), name="pool")
     log.info("endpoint picker serving %s on port %d, %s, over %d cells (%d up%s)",
              SERVICE_NAME, port, tls_mode(credentials, config.tls.ca),
              len(running.balancer.cells), len(running.balancer.healthy),
@@ -217,8 +256,9 @@ async def create_epp(config: EppConfig) -> EppServer:
 
 async def serve(config: EppConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order (see EppServer.stop)."""
-    cells = f"the cells of {config.cells_file}" if config.cells_file else \
-        f"{len(config.cells)} cells"
+    cells = (f"the cells of {config.cells_file}" if config.cells_file else
+             f"the pods of InferencePool {config.pool.pool}" if config.pool else
+             f"{len(config.cells)} cells")
     await serve_until_signalled(
         create_epp(config), f"tandem epp listening on {config.listen} over {cells}",
         config.shutdown_grace_s)

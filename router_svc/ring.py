@@ -28,11 +28,10 @@ class HashRing:
     Invariants: ``_positions`` is sorted and parallel to ``_owners``; every cell owns
     exactly ``vnodes`` points; cells are distinct. Health and load are not the ring's
     business: the balancer walks the ring and skips cells, so a cell's points never move.
+    A ring of no cells (an endpoint picker whose pool has no ready pod) walks nowhere.
     """
 
     def __init__(self, cells: Sequence[str], vnodes: int = DEFAULT_VNODES) -> None:
-        if not cells:
-            raise ValueError("a ring needs at least one cell")
         if len(set(cells)) != len(cells):
             raise ValueError(f"duplicate cells in {list(cells)}")
         if vnodes < 1:

@@ -294,6 +294,18 @@ def _add_epp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells-file", default=_env("EPP_CELLS_FILE", ""),
                    help="read the cells from this file instead (the --cells syntax, commas "
                         "or newlines), and again whenever it changes")
+    p.add_argument("--pool", default=_env("EPP_POOL", ""),
+                   help="follow this InferencePool instead: its selector's ready pods are "
+                        "the cells, its target port their gRPC port (docs/routing.md)")
+    p.add_argument("--http-pool", default=_env("EPP_HTTP_POOL", ""),
+                   help="the InferencePool of the same pods' OpenAI HTTP port (default: "
+                        "--http-port)")
+    p.add_argument("--pool-namespace", default=_env("EPP_POOL_NAMESPACE", ""),
+                   help="the pools' namespace (default: the pod's own, else the "
+                        "kubeconfig context's)")
+    p.add_argument("--kubeconfig", default=_env("EPP_KUBECONFIG", ""),
+                   help="kubeconfig for --pool (default: the in-cluster service account, "
+                        "else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--http-port", type=int, default=int(_env("EPP_HTTP_PORT", "8000")),
                    help="the cells' OpenAI HTTP port, for entries of --cells without one")
     p.add_argument("--queue-bound", type=int, default=int(_env("EPP_QUEUE_BOUND", "0")),
@@ -548,10 +560,12 @@ def _epp_config(args: argparse.Namespace, listen: str):
         cells = parse_cells(args.cells, args.http_port)
     except ValueError as exc:
         raise SettingsError(f"--cells: {exc}") from None
-    if not cells and not args.cells_file:
+    given = [flag for flag, value in (("--cells", cells), ("--cells-file", args.cells_file),
+                                      ("--pool", args.pool)) if value]
+    if not given:
         raise SettingsError("--cells (or TANDEM_EPP_CELLS) names no cell")
-    if cells and args.cells_file:
-        raise SettingsError("give --cells or --cells-file, not both")
+    if len(given) > 1:
+        raise SettingsError(f"give one of --cells, --cells-file and --pool, not {given}")
     if args.cells_file:
         try:
             CellsFile(args.cells_file, args.http_port).read()
@@ -559,6 +573,7 @@ def _epp_config(args: argparse.Namespace, listen: str):
             raise SettingsError(f"--cells-file {args.cells_file}: {exc}") from None
     return EppConfig(
         cells=cells, cells_file=args.cells_file, http_port=args.http_port, listen=listen,
+        pool=_pool_source(args),
         load_factor=args.load_factor, block_size=args.block_size,
         health_interval=args.health_interval, queue_bound=args.queue_bound,
         body_timeout_s=args.body_timeout, metrics_port=args.metrics_port,
@@ -566,6 +581,24 @@ def _epp_config(args: argparse.Namespace, listen: str):
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
         cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
         health_listen=args.health_listen)
+
+
+def _pool_source(args: argparse.Namespace):
+    """--pool's settings, with credentials found now so that a missing kubeconfig is a
+    settings error rather than a picker that never becomes ready."""
+    from router_svc.pool_watch import PoolSource, connection
+
+    if not args.pool:
+        if args.http_pool:
+            raise SettingsError("--http-pool needs --pool")
+        return None
+    source = PoolSource(args.pool, args.http_pool, args.pool_namespace, args.kubeconfig)
+    try:
+        connection(source)
+    except Exception as exc:  # the client's ConfigException, OSError, bad YAML: all alike
+        raise SettingsError(f"--pool {args.pool}: no Kubernetes credentials ({exc}); "
+                            "give --kubeconfig outside a cluster") from None
+    return source
 
 
 def cmd_epp(args: argparse.Namespace) -> int:
