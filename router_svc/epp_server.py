@@ -236,9 +236,10 @@ async def create_epp(config: EppConfig) -> EppServer:
         await cells.close()
         raise
     await server.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-    if config.pool is None:
-        await server.health.set(READINESS, health_pb2.HealthCheckResponse.SERVING)
-        await server.set_serving(True)
+    # With a pool, ready once its pods have been listed (EppServer.watch_pool).
+    await server.health.set(READINESS, health_pb2.HealthCheckResponse.NOT_SERVING
+                            if config.pool else health_pb2.HealthCheckResponse.SERVING)
+    await server.set_serving(config.pool is None)
     running = EppServer(server, port, servicer, cells, config, cell_credentials)
     if config.metrics_port:
         running.metrics = await start_metrics(lambda: running.balancer, config.metrics_port,

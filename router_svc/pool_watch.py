@@ -175,8 +175,10 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, KubeError) and exc.status in (401, 403):
         return (f"{exc} (the picker's service account needs get, list and watch on pods "
                 "and inferencepools: docs/operator.md)")
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return f"the API server is unreachable ({exc})"
     if isinstance(exc, httpx.HTTPError):
-        return f"the API server is unreachable ({type(exc).__name__}: {exc})"
+        return f"the connection to the API server broke ({type(exc).__name__}: {exc})"
     return str(exc)
 
 
@@ -247,7 +249,9 @@ class PoolWatch:
         http_port = target_port(http_pool) if http_pool else self.default_http_port
         found = (pod_cell(p, target_port(grpc_pool), http_port)
                  for _, p in sorted(self.pods.items()))
-        return tuple(c for c in found if c is not None)
+        # By name, once: two pods on one address (host-network pods of one node) are one
+        # cell to the picker, whose balancer refuses a name twice.
+        return tuple({c.name: c for c in found if c is not None}.values())
 
     async def _publishing(self) -> None:
         while True:

@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.cel import rule_failures
-from kube_emulator.fixtures import CRD_PATH, REPO, tandem_spec
+from kube_emulator.fixtures import CRD_PATH, GIE_CRD_PATH, tandem_spec
 from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
 from test_chart_harness import (
     NAMESPACE,
@@ -46,8 +46,7 @@ from tandem_operator.router import router_config
 from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.workloads import build_pod_template
 
-GIE_CRD = REPO / "tests" / "data" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
-POOL_SCHEMA = version_schema(load_crd(GIE_CRD), "v1")
+POOL_SCHEMA = version_schema(load_crd(GIE_CRD_PATH), "v1")
 CELLS = [Cell(index=i, node=f"gpu-{i}", cache_bytes=0, requested_bytes=0, generation=0,
               reason="") for i in range(3)]
 TLS = {"tls": {"secretName": "demo-tls", "clientCASecretName": "demo-ca"}}
@@ -215,7 +214,7 @@ def test_the_routing_mode_decides_the_front() -> None:
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi]:
-    emulator = KubeEmulator([CRD_PATH, GIE_CRD])
+    emulator = KubeEmulator([CRD_PATH, GIE_CRD_PATH])
     emulator.start()
     config = kubernetes.client.Configuration()
     kubeconfig = emulator.write_kubeconfig(tmp_path_factory.mktemp("gie") / "kubeconfig")

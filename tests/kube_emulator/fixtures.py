@@ -1,5 +1,6 @@
 """Objects the operator's tests build again and again: defaulted TandemService specs (through
-the CRD's own defaults, as the apiserver would apply them), nodes and pods."""
+the CRD's own defaults, as the apiserver would apply them), nodes and pods; and the writes the
+endpoint picker's pool tests make over HTTP (`ClusterWriter`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kube_emulator.patches import merge_patch
 from kube_emulator.schema import apply_defaults, load_crd, version_schema
 from tandem_operator.spec import TandemSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "tandem" / "crds" / "tandemservices.tandem.dev.yaml"
+GIE_CRD_PATH = REPO / "tests" / "data" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
+MERGE = {"Content-Type": "application/merge-patch+json"}
 SCHEMA = version_schema(load_crd(CRD_PATH))
 
 
@@ -52,3 +57,45 @@ def pod(name: str, node_name: str, requests: dict[str, str], labels: dict[str, s
                  "containers": [{"name": "c", "image": "x", "resources": {"requests": requests}}]},
         "status": {"phase": "Running"},
     }
+
+
+class ClusterWriter:
+    """Writes to the emulator's HTTP API in one namespace, as the operator (InferencePools)
+    and the kubelet (a pod created, then Ready through its status subresource, at an IP of
+    the test's choosing) would."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.http = httpx.Client(base_url=url)
+        self.pools = f"/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools"
+        self.pods = f"/api/v1/namespaces/{namespace}/pods"
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _ok(self, reply: httpx.Response) -> None:
+        assert reply.status_code in (200, 201), reply.text
+
+    def pool(self, name: str, port: int, labels: dict[str, str]) -> None:
+        """Create or update an InferencePool selecting `labels` at `port`."""
+        body = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": name},
+                "spec": {"selector": {"matchLabels": labels}, "targetPorts": [{"number": port}],
+                         "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
+        if self.http.get(f"{self.pools}/{name}").status_code == 404:
+            self._ok(self.http.post(self.pools, json=body))
+        else:
+            self._ok(self.http.patch(f"{self.pools}/{name}", json=body, headers=MERGE))
+
+    def pod(self, name: str, labels: dict[str, str], ip: str, ready: bool = True) -> None:
+        """Create the pod if it is new, then set its status: Running at `ip`, Ready or not."""
+        if self.http.get(f"{self.pods}/{name}").status_code == 404:
+            self._ok(self.http.post(self.pods, json={
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                "spec": {"containers": [{"name": "scheduler", "image": "tandem"}]}}))
+        status = {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                  "conditions": [{"type": "Ready", "status": str(ready)}]}
+        self._ok(self.http.patch(f"{self.pods}/{name}/status", json={"status": status},
+                                 headers=MERGE))
+
+    def delete(self, path: str) -> None:
+        self._ok(self.http.delete(path))

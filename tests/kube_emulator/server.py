@@ -65,6 +65,7 @@ class KubeEmulator:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
+        self._watches: set[asyncio.Task[Any]] = set()
 
     def start(self) -> str:
         self._thread.start()
@@ -101,6 +102,14 @@ class KubeEmulator:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def drop_watches(self) -> None:
+        """Cut every open watch connection, as an apiserver restart or a lost connection
+        does: clients must watch again from the last resourceVersion they saw."""
+        def cut() -> None:
+            for task in self._watches:
+                task.cancel()
+        self._loop.call_soon_threadsafe(cut)
 
     def call(self, fn: Callable[[ObjectStore], T]) -> T:
         async def run() -> T:
@@ -221,6 +230,19 @@ class KubeEmulator:
             request.query.get("timeoutSeconds", 300))
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
+        task = asyncio.current_task()
+        assert task is not None
+        self._watches.add(task)
+        try:
+            return await self._stream(response, rt, namespace, selector, since, deadline)
+        finally:
+            self._watches.discard(task)
+
+    async def _stream(self, response: web.StreamResponse, rt: ResourceType,
+                      namespace: str | None, selector: str, since: int,
+                      deadline: float) -> web.StreamResponse:
+        store = self.store
+        assert store is not None
         pending = [] if since else [(0, "ADDED", o) for o in store.list(rt, namespace, selector)]
         since = since or store.rv
         try:
