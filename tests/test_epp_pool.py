@@ -6,46 +6,21 @@ through their status subresource; their IPs are loopback addresses of the test's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kube_emulator import KubeEmulator
-from kube_emulator.fixtures import CRD_PATH, GIE_CRD_PATH, ClusterWriter
+from kube_emulator.fixtures import Cluster, emulated_cluster
 
 from router_svc.epp_server import READINESS, EppConfig, EppServer
 from router_svc.pool_watch import PoolSource
 from tandem_testing.cells import free_port
 from tandem_testing.router import LoopThread, running_epp
-
-NS = "serving"
-
-
-@dataclass
-class Cluster:
-    emulator: KubeEmulator
-    kubeconfig: Path
-    write: ClusterWriter
-
-
-@contextlib.contextmanager
-def emulated_cluster(tmp: Path) -> Iterator[Cluster]:
-    """The API emulator serving InferencePools, a kubeconfig for it, and its writer."""
-    emulator = KubeEmulator([CRD_PATH, GIE_CRD_PATH])
-    emulator.start()
-    writer = ClusterWriter(emulator.url, NS)
-    try:
-        yield Cluster(emulator, emulator.write_kubeconfig(tmp / "kubeconfig"), writer)
-    finally:
-        writer.close()
-        emulator.stop()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +50,7 @@ def readiness(epp: LoopThread[EppServer]) -> Any:
 
 def test_the_cells_follow_the_pools_ready_pods(cluster: Cluster) -> None:
     grpc_port, http_port = free_port(), free_port()
-    source = PoolSource("demo-grpc", "demo-http", NS, str(cluster.kubeconfig))
+    source = PoolSource("demo-grpc", "demo-http", cluster.namespace, str(cluster.kubeconfig))
     with running_epp(EppConfig(listen="127.0.0.1:0", health_interval=0.1,
                                pool=source)) as epp:
         # No pool yet: no cells, and not ready until the pods have been listed.
@@ -111,11 +86,10 @@ def test_the_cells_follow_the_pools_ready_pods(cluster: Cluster) -> None:
 
 def test_an_unreachable_api_server_is_logged_and_the_picker_stays_unready(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
     with emulated_cluster(tmp_path) as cluster:  # a kubeconfig for a server that is gone
-        kubeconfig.write_text(cluster.kubeconfig.read_text())
-    with caplog.at_level(logging.WARNING, "router_svc.pool_watch"), running_epp(EppConfig(
-            listen="127.0.0.1:0", pool=PoolSource("demo-grpc", "", NS, str(kubeconfig)))) as epp:
+        source = PoolSource("demo-grpc", "", cluster.namespace, str(cluster.kubeconfig))
+    config = EppConfig(listen="127.0.0.1:0", pool=source)
+    with caplog.at_level(logging.WARNING, "router_svc.pool_watch"), running_epp(config) as epp:
         wait_for(lambda: "the API server is unreachable" in caplog.text)
         assert readiness(epp) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert cells(epp) == set()

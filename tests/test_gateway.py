@@ -24,6 +24,8 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kube_emulator.fixtures import emulated_cluster
 from pki import make_pki
 
 from router_svc import ext_proc_pb2 as ext_proc
@@ -37,7 +39,7 @@ from router_svc.epp import (
     CellEndpoint,
     parse_cells,
 )
-from router_svc.epp_server import EppConfig
+from router_svc.epp_server import READINESS, EppConfig
 from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
 from tandem.tls import TlsFiles
@@ -412,6 +414,51 @@ def test_the_picker_follows_its_cells_file(gateway: Gateway, tmp_path: Path) -> 
         time.sleep(0.5)
         assert epp.read(lambda: len(epp.server.balancer.healthy)) == 2
         assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+
+
+def _readiness(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=READINESS), timeout=2).status
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN  # not listening yet
+
+
+def test_a_picker_following_a_pool_picks_the_cell_its_pod_adds(gateway: Gateway,
+                                                               tmp_path: Path) -> None:
+    cell = gateway.endpoints[0]
+    msg = request(PROMPT, [png(505)], max_tokens=2)
+    with emulated_cluster(tmp_path) as cluster:
+        cluster.write.pool("demo-grpc", cell.grpc_port, {"app": "tandem"})
+        cluster.write.pool("demo-http", cell.http_port, {"app": "tandem"})
+        target, log = f"127.0.0.1:{free_port()}", tmp_path / "epp.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem_cli.cli", "epp", "--pool", "demo-grpc",
+                 "--http-pool", "demo-http", "--pool-namespace", cluster.namespace,
+                 "--kubeconfig", str(cluster.kubeconfig), "--listen", target,
+                 "--health-interval", "0.2", "--block-size", str(BLOCK)],
+                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait(lambda: _readiness(target) == health_pb2.HealthCheckResponse.SERVING
+                  or proc.poll() is not None, 60)
+            assert proc.poll() is None, log.read_text()
+            (none,) = _process(target, *_grpc_request(msg))  # no pod yet
+            assert none.immediate_response.grpc_status.status == \
+                grpc.StatusCode.UNAVAILABLE.value[0]
+            cluster.write.pod("demo-0", {"app": "tandem"}, cell.ip)
+            _wait(lambda: _process(target, *_grpc_request(msg))[0].HasField("request_headers"))
+            assert _destination(_process(target, *_grpc_request(msg))) == \
+                cell.destination(True)
+            chat = _process(target, _headers("/v1/chat/completions", "application/json"),
+                            ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(
+                                body=json.dumps(_chat(png(505))).encode(),
+                                end_of_stream=True)))
+            assert _destination(chat) == cell.destination(False)
+        finally:
+            stop_process(proc, 20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:

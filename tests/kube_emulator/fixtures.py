@@ -4,7 +4,10 @@ endpoint picker's pool tests make over HTTP (`ClusterWriter`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import httpx
 
 from kube_emulator.patches import merge_patch
 from kube_emulator.schema import apply_defaults, load_crd, version_schema
+from kube_emulator.server import KubeEmulator
 from tandem_operator.spec import TandemSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,3 +103,25 @@ class ClusterWriter:
 
     def delete(self, path: str) -> None:
         self._ok(self.http.delete(path))
+
+
+@dataclass
+class Cluster:
+    emulator: KubeEmulator
+    kubeconfig: Path
+    write: ClusterWriter  # in `namespace`
+    namespace: str
+
+
+@contextlib.contextmanager
+def emulated_cluster(tmp: Path, namespace: str = "serving") -> Iterator[Cluster]:
+    """The API emulator serving InferencePools, a kubeconfig for it, and its writer."""
+    emulator = KubeEmulator([CRD_PATH, GIE_CRD_PATH])
+    emulator.start()
+    writer = ClusterWriter(emulator.url, namespace)
+    try:
+        yield Cluster(emulator, emulator.write_kubeconfig(tmp / "kubeconfig"), writer,
+                      namespace)
+    finally:
+        writer.close()
+        emulator.stop()
