@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -81,9 +82,10 @@ def connection(source: PoolSource) -> tuple[Any, str]:
         with contextlib.suppress(kubernetes.config.ConfigException):
             kubernetes.config.load_incluster_config(client_configuration=config)
             return config, namespace or NAMESPACE_FILE.read_text().strip()
-    kubernetes.config.load_kube_config(config_file=source.kubeconfig or None,
-                                       client_configuration=config)
-    _, context = kubernetes.config.list_kube_config_contexts(source.kubeconfig or None)
+    # KUBECONFIG is read now: the client's own default was fixed when it was imported.
+    path = source.kubeconfig or os.environ.get("KUBECONFIG") or None
+    kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
+    _, context = kubernetes.config.list_kube_config_contexts(path)
     return config, namespace or context["context"].get("namespace") or "default"
 
 

@@ -10,6 +10,8 @@ Two sources of API calls:
   kind of each call is a string literal, a dict literal's "kind", or a `build_*` builder's
   kind, followed through local assignments and for-loops. A call whose kind cannot be
   resolved fails the test.
+And what the operator grants: the endpoint picker's Role (EPP_RULES), which Kubernetes lets it
+create only if it holds those permissions itself.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from test_chart_harness import (
 )
 
 import tandem_operator
+from tandem_operator.gateway import EPP_RULES
 from tandem_operator.kube import _KINDS, KubeApi
 
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
@@ -46,6 +49,9 @@ KIND_RESOURCES = {
     "Deployment": ("apps", "deployments", True),
     "Job": ("batch", "jobs", True),
     "InferencePool": ("inference.networking.k8s.io", "inferencepools", True),
+    "ServiceAccount": ("", "serviceaccounts", True),
+    "Role": ("rbac.authorization.k8s.io", "roles", True),
+    "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings", True),
 }
 # KubeApi method -> verbs it sends; `apply(create_only=True)` sends create only.
 KUBEAPI_VERBS = {"apply": ("create", "patch"), "dry_run_create": ("create",),
@@ -206,7 +212,7 @@ def kopf_rules(namespaced_mode: bool) -> set[Rule]:
 
 def expected(namespaced_mode: bool) -> tuple[set[Rule], set[Rule]]:
     """(cluster-scoped rules, namespaced rules) the operator needs."""
-    everything = kopf_rules(namespaced_mode) | client_rules()
+    everything = kopf_rules(namespaced_mode) | client_rules() | flatten({"rules": EPP_RULES})
     cluster = {r for r in everything if (r[0], r[1]) in CLUSTER_SCOPED}
     return cluster, everything - cluster
 

@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 from kube_emulator import KubeEmulator
 from kube_emulator.cel import rule_failures
-from kube_emulator.fixtures import CRD_PATH, GIE_CRD_PATH, tandem_spec
+from kube_emulator.fixtures import CRD_PATH, GIE_CRD_PATH, REPO, tandem_spec
 from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
 from test_chart_harness import (
     NAMESPACE,
@@ -26,6 +26,7 @@ from test_chart_harness import (
     render,
 )
 
+from router_svc.pool_watch import PoolSource
 from tandem_cli import cli
 from tandem_cli.gateway import envoy_binary
 from tandem_operator.gateway import (
@@ -34,7 +35,10 @@ from tandem_operator.gateway import (
     build_envoy_deployment,
     build_epp_configmap,
     build_epp_deployment,
+    build_epp_role,
+    build_epp_role_binding,
     build_epp_service,
+    build_epp_service_account,
     build_inference_pool,
     pools,
 )
@@ -124,9 +128,14 @@ def test_one_pool_per_protocol_selects_the_schedulers_and_names_the_epp() -> Non
 
 
 def epp_settings(data: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """What the real `tandem epp` makes of a ConfigMap's settings (its env)."""
+    """What the real `tandem epp` makes of a ConfigMap's settings (its env); a kubeconfig
+    stands in for the pod's service account (`--pool` finds credentials at once)."""
+    for key in ("TANDEM_EPP_CELLS", "TANDEM_EPP_POOL", "TANDEM_EPP_HTTP_POOL"):
+        monkeypatch.delenv(key, raising=False)  # an earlier call's
     for key, value in data.items():
         monkeypatch.setenv(key, value)
+    kubeconfig = REPO / "tests" / "data" / "kubeconfig.yaml"
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     args = cli.build_parser().parse_args(["epp"])
     return cli._epp_config(args, args.listen)
 
@@ -134,13 +143,41 @@ def epp_settings(data: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_tandem_epp_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = gateway({"router": {"loadFactor": 1.5}, "prefixCache": {"blockSize": 32}})
     data = build_epp_configmap(spec, CELLS)["data"]
+    assert "TANDEM_EPP_CELLS" not in data  # gateway mode: the cells are the pools' pods
+    config = epp_settings(data, monkeypatch)
+    assert config.pool == PoolSource("demo-grpc", "demo-http") and config.cells == ()
+    assert (config.listen, config.load_factor, config.block_size) == ("0.0.0.0:9002", 1.5, 32)
+    assert config.health_listen == f"0.0.0.0:{HEALTH_PORT}" and config.metrics_port == 9400
+    no_http = build_epp_configmap(gateway({"http": {"enabled": False}}), CELLS)["data"]
+    assert (no_http["TANDEM_EPP_POOL"], "TANDEM_EPP_HTTP_POOL" in no_http) == ("demo-grpc", False)
+    # Standalone mode renders no pool: the EPP is told the cells, as the router is.
+    data = build_epp_configmap(standalone(), CELLS)["data"]
     routed = router_config(tandem_spec({"cells": 3}), CELLS)["TANDEM_ROUTER_CELLS"].split(",")
     assert data["TANDEM_EPP_CELLS"].split(",") == [f"{a}/8000" for a in routed]
+    assert "TANDEM_EPP_POOL" not in data
     config = epp_settings(data, monkeypatch)
     assert [(c.host, c.grpc_port, c.http_port) for c in config.cells] == [
         (f"demo-{i}-scheduler-0.demo-headless.serving.svc", 50051, 8000) for i in range(3)]
-    assert (config.listen, config.load_factor, config.block_size) == ("0.0.0.0:9002", 1.5, 32)
-    assert config.health_listen == f"0.0.0.0:{HEALTH_PORT}" and config.metrics_port == 9400
+
+
+def test_the_gateway_epp_watches_with_an_account_that_may_only_list_and_watch() -> None:
+    spec = gateway()
+    pod = build_epp_deployment(spec, CELLS)["spec"]["template"]["spec"]
+    account = build_epp_service_account(spec)["metadata"]
+    assert pod["serviceAccountName"] == account["name"] == "demo-epp"
+    role, binding = build_epp_role(spec), build_epp_role_binding(spec)
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "serving"
+    assert {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]} == {
+        ("", "pods", "list"), ("", "pods", "watch"),
+        ("inference.networking.k8s.io", "inferencepools", "list"),
+        ("inference.networking.k8s.io", "inferencepools", "watch")}
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-epp",
+                                    "namespace": "serving"}]
+    standalone_pod = build_epp_deployment(standalone(), CELLS)["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in standalone_pod
 
 
 def test_a_tls_epp_serves_with_the_secret_and_trusts_the_cells_ca(
@@ -257,9 +294,13 @@ def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi)
     assert children(kube) == {"Deployment": ["demo-epp"], "ConfigMap": ["demo-epp"],
                               "Service": sorted([*services, "demo-epp"]),
                               "InferencePool": ["demo-grpc", "demo-http"]}
+    picker_account = ("ServiceAccount", "Role", "RoleBinding")
+    assert all(asyncio.run(kube.read(kind, "serving", "demo-epp")) for kind in picker_account)
     switch("gateway", {"http": {"enabled": False}})
     assert children(kube)["InferencePool"] == ["demo-grpc"]
     assert switch("standalone") == "envoy"
+    assert not any(asyncio.run(kube.read(kind, "serving", "demo-epp"))
+                   for kind in picker_account)
     assert children(kube) == {"Deployment": ["demo-envoy", "demo-epp"],
                               "ConfigMap": ["demo-envoy", "demo-epp"],
                               "Service": sorted([*services, "demo-epp"]), "InferencePool": []}

@@ -6,13 +6,17 @@ Gateway mode: the cluster's gateway (Istio, kgateway, Envoy Gateway, ...) carrie
 an HTTPRoute or GRPCRoute sends them to a pool, and the gateway asks the pool's endpoint
 picker (over Envoy's ext_proc) which cell takes each request. One pool per application
 protocol, because a pool has one `appProtocol` for all its ports: h2c for `tandem.v1` gRPC,
-HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP knows the cells as
-the router does (every recorded cell, by its scheduler pod's DNS name), so it rolls on a
-change in the number of cells, never on placement.
+HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP follows them
+(`tandem epp --pool <name>-grpc --http-pool <name>-http`): its cells are the Ready pods the
+pools select, so it never rolls when cells come, go or move. It watches with a
+ServiceAccount of its own, whose Role may list and watch pods and InferencePools in the
+namespace, nothing else.
 
-Standalone mode (no such gateway in the cluster): the same EPP, and an Envoy Deployment of
-the operator's in place of the router, configured by envoy.py's bootstrap builder; the
-Service moves to Envoy once it is available, as it moves to the router.
+Standalone mode (no such gateway in the cluster, so no pools): the same EPP, told the cells
+as the router is (every recorded cell, by its scheduler pod's DNS name: it rolls on a change
+in the number of cells, never on placement), and an Envoy Deployment of the operator's in
+place of the router, configured by envoy.py's bootstrap builder; the Service moves to Envoy
+once it is available, as it moves to the router.
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ EPP_PORT = 9002  # the ext_proc port; GIE's default for an endpoint picker Servi
 GRPC_POOL, HTTP_POOL = ("grpc", "kubernetes.io/h2c"), ("http", "http")
 ENVOY_DIR, ENVOY_FILE = "/etc/envoy", "envoy.json"  # Envoy reads JSON as YAML
 ENVOY_ADMIN_PORT = 9901  # on the pod's loopback only: the admin API can stop Envoy
+RBAC_API = "rbac.authorization.k8s.io/v1"
+# What the EPP's Role grants: `tandem epp --pool` lists and watches, never gets or writes.
+# The operator must hold these itself (Kubernetes lets it grant nothing more): the chart's
+# RBAC has them, and tests/test_chart_rbac.py checks it.
+EPP_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+     "verbs": ["list", "watch"]},
+]
 
 
 def epp_name(spec: TandemSpec) -> str:
@@ -102,12 +115,22 @@ def epp_cells(spec: TandemSpec, cells: Sequence[Cell]) -> str:
     return ",".join(cell_address(spec, c.index) + suffix for c in cells)
 
 
+def epp_endpoints(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
+    """Where the EPP finds its cells: the pools in gateway mode (the namespace is the pod's
+    own), the recorded cells in standalone mode, which renders no pool."""
+    if spec.routing.mode != "gateway":
+        return {"TANDEM_EPP_CELLS": epp_cells(spec, cells)}
+    found = {"TANDEM_EPP_POOL": pool_name(spec, GRPC_POOL[0])}
+    if spec.http.enabled:
+        found["TANDEM_EPP_HTTP_POOL"] = pool_name(spec, HTTP_POOL[0])
+    return found
+
+
 def epp_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
-    """`tandem epp`'s TANDEM_* settings (docs/configuration.md): the cells with both their
-    ports, the router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with
-    the service's certificate, as every public port), health on the plaintext health port."""
-    return {
-        "TANDEM_EPP_CELLS": epp_cells(spec, cells),
+    """`tandem epp`'s TANDEM_* settings (docs/configuration.md): its cells' source, the
+    router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with the
+    service's certificate, as every public port), health on the plaintext health port."""
+    return epp_endpoints(spec, cells) | {
         "TANDEM_LISTEN": f"0.0.0.0:{EPP_PORT}",
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         "TANDEM_METRICS_PORT": str(SCHEDULER_METRICS_PORT),
@@ -135,6 +158,8 @@ def _epp_container(spec: TandemSpec) -> dict[str, Any]:
 def build_epp_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
     pod_spec = serving_pod_spec(spec, "epp", [_epp_container(spec)],
                                 [scratch_volume(), *tls_volumes(spec)[0]])
+    if spec.routing.mode == "gateway":  # it watches the pools with its own account
+        pod_spec["serviceAccountName"] = epp_name(spec)
     return build_front_deployment(spec, epp_name(spec), "epp", spec.routing.epp.replicas,
                                   pod_spec, epp_config(spec, cells))
 
@@ -155,6 +180,28 @@ def build_epp_service(spec: TandemSpec) -> dict[str, Any]:
                        "appProtocol": "https" if spec.tls.enabled else "kubernetes.io/h2c"}],
         },
     }
+
+
+def _epp_metadata(spec: TandemSpec) -> dict[str, Any]:
+    return {"name": epp_name(spec), "namespace": spec.namespace, "labels": labels(spec, "epp")}
+
+
+def build_epp_service_account(spec: TandemSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _epp_metadata(spec)}
+
+
+def build_epp_role(spec: TandemSpec) -> dict[str, Any]:
+    """List and watch pods and InferencePools in the service's namespace (EPP_RULES)."""
+    return {"apiVersion": RBAC_API, "kind": "Role", "metadata": _epp_metadata(spec),
+            "rules": EPP_RULES}
+
+
+def build_epp_role_binding(spec: TandemSpec) -> dict[str, Any]:
+    return {"apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": _epp_metadata(spec),
+            "roleRef": {"apiGroup": RBAC_API.split("/")[0], "kind": "Role",
+                        "name": epp_name(spec)},
+            "subjects": [{"kind": "ServiceAccount", "name": epp_name(spec),
+                          "namespace": spec.namespace}]}
 
 
 def envoy_name(spec: TandemSpec) -> str:

@@ -58,6 +58,9 @@ _KINDS: dict[str, tuple[Any, str]] = {  # kind -> (API class, method suffix)
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
     "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),  # read only: TLS to cells
+    "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account"),
+    "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"),
+    "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
     "StatefulSet": (kubernetes.client.AppsV1Api, "namespaced_stateful_set"),
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Job": (kubernetes.client.BatchV1Api, "namespaced_job"),
@@ -93,7 +96,8 @@ def _rejected(e: ApiException, call: str) -> Rejected:
 
 class KubeApi:
     """Create-or-update, delete and read for ConfigMaps, Services, Pods, StatefulSets,
-    Deployments, Jobs, InferencePools; read for Secrets."""
+    Deployments, Jobs, InferencePools, and the endpoint picker's ServiceAccount, Role and
+    RoleBinding; read for Secrets."""
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client

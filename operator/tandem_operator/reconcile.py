@@ -30,7 +30,10 @@ from tandem_operator.gateway import (
     build_envoy_deployment,
     build_epp_configmap,
     build_epp_deployment,
+    build_epp_role,
+    build_epp_role_binding,
     build_epp_service,
+    build_epp_service_account,
     build_inference_pool,
     envoy_name,
     epp_name,
@@ -230,8 +233,11 @@ async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
     front: list[dict[str, Any]] = []
     if spec.routed:
         front = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
+    if spec.routing.mode == "gateway":  # its account first: the pods run as it
+        front = [build_epp_service_account(spec), build_epp_role(spec),
+                 build_epp_role_binding(spec)]
     if spec.routing.picked:
-        front = [build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
+        front = [*front, build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
                  build_epp_service(spec)]
     if spec.front == "envoy":
         front = [*front, build_envoy_configmap(spec), build_envoy_deployment(spec)]
@@ -269,6 +275,9 @@ async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: se
         await kube.delete("Deployment", spec.namespace, epp_name(spec))
         await kube.delete("ConfigMap", spec.namespace, epp_name(spec))
         await kube.delete("Service", spec.namespace, epp_name(spec))
+    if spec.routing.mode != "gateway":
+        for kind in ("RoleBinding", "Role", "ServiceAccount"):
+            await kube.delete(kind, spec.namespace, epp_name(spec))
     for protocol in (GRPC_POOL[0], HTTP_POOL[0]):
         if pool_name(spec, protocol) not in kept_pools:
             await kube.delete("InferencePool", spec.namespace, pool_name(spec, protocol))

@@ -33,6 +33,9 @@ BUILTIN = [
     ResourceType("apps", "v1", "deployments", "Deployment", True, ("status", "scale"),
                  short_names=("deploy",)),
     ResourceType("batch", "v1", "jobs", "Job", True, ("status",)),
+    ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=("sa",)),
+    ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role", True),
+    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                  "CustomResourceDefinition", False, ("status",), short_names=("crd",)),
 ]

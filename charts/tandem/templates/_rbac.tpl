@@ -59,9 +59,19 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
   resources: [deployments]
   verbs: [get, create, patch, delete]
 # Gateway routing's InferencePools (Gateway API Inference Extension): created or merge-patched,
-# deleted when the routing changes.
+# deleted when the routing changes. list and watch: what the endpoint picker's Role grants
+# (below), which Kubernetes lets the operator grant only if it holds it (as it holds pods').
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
+  verbs: [list, watch, create, patch, delete]
+# Gateway routing's endpoint picker watches the pools with an account of its own: its
+# ServiceAccount, a Role that lists and watches pods and InferencePools, and their binding;
+# created or merge-patched, deleted when the routing changes.
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
   verbs: [create, patch, delete]
 # The TLS Secret of a service (tls.secretName), read to verify its cells' certificate when the
 # operator reads their CacheStats (cache sizing): get only, never list or watch.
