@@ -9,7 +9,8 @@ gRPC) or an OpenAI JSON body, computes the router's routing key
 It answers the request headers with ``x-gateway-destination-endpoint: ip:port`` (and the
 same value in dynamic metadata ``envoy.lb``), streams the body back unchanged, and echoes
 the response as it comes. The cell holds a slot in the balancer for as long as the
-ext_proc stream lives, which is as long as the request.
+ext_proc stream lives, which is as long as the request. Each pick is a ``tandem.route``
+span (:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
 
 Refusals are immediate responses built from :mod:`tandem.errors`: 503 / UNAVAILABLE when no
 cell is up (or none of the gateway's subset hint), 429 / RESOURCE_EXHAUSTED when every
