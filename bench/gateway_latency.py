@@ -5,8 +5,9 @@ One local cell (``tandem serve``, the ``tiny`` model), the picker (``create_epp`
 alternately straight to the cell and through Envoy, so drifting load on a shared machine
 hits both alike. Then the picker stops and the same is done again: fail-open Envoy now
 forwards without asking anyone, which gives Envoy's own share. By default the calls are
-``GetModelInfo``: it passes Envoy and the picker exactly as Generate does (headers,
-buffered body, pick, streamed body, echoed response) but costs the cell next to nothing,
+gRPC health checks of the cell's service: one passes Envoy and the picker exactly as
+Generate does (headers, buffered body, pick, streamed body, echoed response) but costs the
+cell next to nothing (GetModelInfo would not do: Envoy sends it to the picker itself),
 so the model's step time, which varies by tens of milliseconds on a busy machine, does not
 drown the difference; ``--generate`` times one-token Generate calls instead. Run::
 
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.epp import CellEndpoint
 from router_svc.epp_server import EppConfig
@@ -37,6 +39,8 @@ from tandem_cli.gateway import (
 )
 from tandem_testing.cells import free_port, request, running_cell
 from tandem_testing.router import running_epp
+
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -65,7 +69,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="calls per path and phase")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--generate", action="store_true",
-                        help="time one-token Generate calls instead of GetModelInfo")
+                        help="time one-token Generate calls instead of health checks")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
             running_cell(Path(tmp) / "cell", debug_invariants=False) as cell:
@@ -80,16 +84,16 @@ def main() -> None:
             try:
                 wait_envoy_ready(proc, gateway.admin_port, Path(tmp))
                 with grpc.insecure_channel(gateway.listen) as channel:
-                    stubs = [cell.stub, generate_pb2_grpc.GenerationStub(channel)]
                     if args.generate:
+                        stubs = [cell.stub, generate_pb2_grpc.GenerationStub(channel)]
                         msg = request("Say hi.", max_tokens=1)
                         direct, through = (lambda s=s: list(s.Generate(msg, timeout=30))
                                            for s in stubs)
                     else:
-                        info = generate_pb2.GetModelInfoRequest()
-                        direct, through = (lambda s=s: s.GetModelInfo(info, timeout=30)
-                                           for s in stubs)
-                    what = "one-token Generate" if args.generate else "GetModelInfo"
+                        checks = [health_pb2_grpc.HealthStub(c) for c in (cell.channel, channel)]
+                        check = health_pb2.HealthCheckRequest(service=SERVICE)
+                        direct, through = (lambda s=s: s.Check(check, timeout=30) for s in checks)
+                    what = "one-token Generate" if args.generate else "health check"
                     print(f"{args.requests} {what} calls per path, p50 / p99 in ms:")
                     compare(direct, through, "envoy+epp", args.requests, args.warmup)
                     epp.stop()

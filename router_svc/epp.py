@@ -9,7 +9,8 @@ gRPC) or an OpenAI JSON body, computes the router's routing key
 It answers the request headers with ``x-gateway-destination-endpoint: ip:port`` (and the
 same value in dynamic metadata ``envoy.lb``), streams the body back unchanged, and echoes
 the response as it comes. The cell holds a slot in the balancer for as long as the
-ext_proc stream lives, which is as long as the request.
+ext_proc stream lives, which is as long as the request. Each pick is a ``tandem.route``
+span (:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
 
 Refusals are immediate responses built from :mod:`tandem.errors`: 503 / UNAVAILABLE when no
 cell is up (or none of the gateway's subset hint), 429 / RESOURCE_EXHAUSTED when every
@@ -26,7 +27,7 @@ import ipaddress
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -38,6 +39,7 @@ from pydantic import ValidationError
 from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.balancer import Balancer, RouteDecision
 from router_svc.cell_pool import MAX_MESSAGE_BYTES
+from router_svc.route_span import RouteSpan
 from router_svc.routing_key import RoutingKey, routing_key
 from tandem.errors import (
     DeadlineExceeded,
@@ -273,6 +275,7 @@ class EppServicer:
         picker = self.picker  # the cells may change (a cells file); this stream keeps its own
         headers = _header_map(first.request_headers.headers)
         grpc_request = is_grpc(headers.get("content-type", ""))
+        route = RouteSpan(headers)
         try:
             body, ended_by_trailers = b"", False
             if not first.request_headers.end_of_stream:
@@ -282,12 +285,16 @@ class EppServicer:
             key = (request_key(*args) if len(body) <= OFF_LOOP_BYTES
                    else await asyncio.to_thread(request_key, *args))
             decision = picker.pick(key, subset_hint(first.metadata_context))
+            trace_headers = route.picked(decision, picker.balancer)
         except TandemError as error:
+            route.refused(error)
             yield self._refuse(error, grpc_request)
             return
+        finally:
+            route.end()
         try:
             destination = picker.cells[decision.cell].destination(grpc_request)
-            yield _route_to(destination)
+            yield _with_headers(_route_to(destination), trace_headers)
             if not first.request_headers.end_of_stream:
                 for response in _streamed(body, last=not ended_by_trailers):
                     yield ext_proc.ProcessingResponse(request_body=response)
@@ -360,6 +367,15 @@ def _route_to(destination: str) -> ext_proc.ProcessingResponse:
                 set_headers=[_header(DESTINATION_HEADER, destination)]),
             clear_route_cache=True)),
         dynamic_metadata=metadata)
+
+
+def _with_headers(answer: ext_proc.ProcessingResponse,
+                  headers: Mapping[str, str]) -> ext_proc.ProcessingResponse:
+    """``answer`` (to the request headers) also setting ``headers`` on the request: the
+    ``traceparent`` that puts the cell's spans under the pick (:mod:`router_svc.route_span`)."""
+    answer.request_headers.response.header_mutation.set_headers.extend(
+        _header(k, v) for k, v in headers.items())
+    return answer
 
 
 def _streamed(body: bytes, last: bool) -> Iterable[ext_proc.BodyResponse]:

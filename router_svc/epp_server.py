@@ -1,4 +1,5 @@
-"""The endpoint picker's process (``tandem epp``): ext_proc, health, metrics, shutdown."""
+"""The endpoint picker's process (``tandem epp``): ext_proc, the cells' admin calls
+(:mod:`router_svc.cell_admin`), health, metrics, shutdown."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter
 
 from router_svc.balancer import Balancer
+from router_svc.cell_admin import CellAdminServicer
 from router_svc.cell_pool import MAX_MESSAGE_BYTES, CellPool
 from router_svc.epp import (
     SERVICE_NAME,
@@ -29,6 +31,7 @@ from tandem.grpc_server import GrpcServer, tcp_binder, tls_mode
 from tandem.metrics import MetricsEndpoint
 from tandem.shutdown import DEFAULT_GRACE_S, serve_until_signalled
 from tandem.tls import TlsFiles, channel_credentials, server_credentials
+from tandem.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +232,14 @@ async def create_epp(config: EppConfig) -> EppServer:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)], trace_calls=False)
     servicer = EppServicer(cells.picker, config.block_size, config.body_timeout_s, refused)
+    running = EppServer(server, 0, servicer, cells, config, cell_credentials)
     server.server.add_generic_rpc_handlers((ext_proc_handler(servicer),))
+    # CacheStats and GetModelInfo, which the Envoy bootstrap routes here (cell_admin).
+    generate_pb2_grpc.add_GenerationServicer_to_server(
+        CellAdminServicer(lambda: running.cells.pool), server.server)
     try:
-        port = await server.start(tcp_binder(config.listen, credentials), config.health_listen)
+        running.port = await server.start(tcp_binder(config.listen, credentials),
+                                          config.health_listen)
     except BaseException:
         await cells.close()
         raise
@@ -240,7 +248,6 @@ async def create_epp(config: EppConfig) -> EppServer:
     await server.health.set(READINESS, health_pb2.HealthCheckResponse.NOT_SERVING
                             if config.pool else health_pb2.HealthCheckResponse.SERVING)
     await server.set_serving(config.pool is None)
-    running = EppServer(server, port, servicer, cells, config, cell_credentials)
     if config.metrics_port:
         running.metrics = await start_metrics(lambda: running.balancer, config.metrics_port,
                                               registry)
@@ -249,7 +256,7 @@ async def create_epp(config: EppConfig) -> EppServer:
     elif config.pool is not None:
         running.watcher = asyncio.create_task(running.watch_pool(config.pool), name="pool")
     log.info("endpoint picker serving %s on port %d, %s, over %d cells (%d up%s)",
-             SERVICE_NAME, port, tls_mode(credentials, config.tls.ca),
+             SERVICE_NAME, running.port, tls_mode(credentials, config.tls.ca),
              len(running.balancer.cells), len(running.balancer.healthy),
              ", TLS" if cell_credentials else "")
     return running

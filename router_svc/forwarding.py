@@ -22,12 +22,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from router_svc.balancer import RouteDecision
+from router_svc.cell_admin import ADMIN_TIMEOUT_S, model_info
 from router_svc.cell_pool import CellPool
 from router_svc.routing_key import routing_key
 from tandem.errors import Unavailable
 from tandem.v1 import generate_pb2
-
-INFO_TIMEOUT_S = 10.0
 
 tracer = trace.get_tracer("tandem.router")
 
@@ -100,19 +99,13 @@ class Forwarder:
         finally:
             call.cancel()  # no-op once finished; stops the cell's work when we are cancelled
 
-    async def model_info(self, timeout: float = INFO_TIMEOUT_S,
+    async def model_info(self, timeout: float = ADMIN_TIMEOUT_S,
                          ) -> tuple[generate_pb2.GetModelInfoResponse, str]:
-        """One healthy cell's model info and its name (every cell of a deployment serves
-        the same model); the next healthy cell is asked if one fails."""
-        for cell in [c for c in self.balancer.cells if c in self.balancer.healthy]:
-            try:
-                info = await self.pool.stubs[cell].GetModelInfo(
-                    generate_pb2.GetModelInfoRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                continue
-            if self.served_model_names:
-                info.model_id = self.served_model_names[0]
-                del info.served_model_names[:]
-                info.served_model_names.extend(self.served_model_names)
-            return info, cell
-        raise Unavailable("no cell answered GetModelInfo")
+        """One healthy cell's model info and its name (:func:`router_svc.cell_admin.model_info`),
+        under the router's served model names when it has its own."""
+        info, cell = await model_info(self.pool, timeout)
+        if self.served_model_names:
+            info.model_id = self.served_model_names[0]
+            del info.served_model_names[:]
+            info.served_model_names.extend(self.served_model_names)
+        return info, cell

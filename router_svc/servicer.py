@@ -10,7 +10,6 @@ the cell's status code, details and trailing metadata (the ``ErrorInfo``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -19,21 +18,18 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from router_svc.balancer import Balancer
+from router_svc.cell_admin import CELL_HEADER, CellAdminServicer
 from router_svc.cell_pool import CellPool
 from router_svc.forwarding import Forwarder
-from tandem.cell_stats import aggregate, per_cell_metadata
-from tandem.v1 import generate_pb2, generate_pb2_grpc
-
-CELL_HEADER = "x-tandem-cell"
-STATS_TIMEOUT_S = 10.0
+from tandem.v1 import generate_pb2
 
 
-class RouterServicer(generate_pb2_grpc.GenerationServicer):
-    """Routes Generate by cache affinity, sums CacheStats over the cells, and answers
-    GetModelInfo from one of them."""
+class RouterServicer(CellAdminServicer):
+    """Routes Generate by cache affinity; CacheStats and GetModelInfo as the picker answers
+    them (:mod:`router_svc.cell_admin`)."""
 
     def __init__(self, pool: CellPool, forwarder: Forwarder) -> None:
-        self.pool = pool
+        super().__init__(lambda: pool)
         self.balancer: Balancer = pool.balancer
         self.forwarder = forwarder
 
@@ -53,37 +49,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(exc.code(), exc.details() or "",
                                 trailing_metadata=tuple(exc.trailing_metadata() or ()))
 
-    async def CacheStats(self, request: generate_pb2.CacheStatsRequest,
-                         context: grpc.aio.ServicerContext) -> generate_pb2.CacheStatsResponse:
-        cells = self.balancer.cells
-        remaining = context.time_remaining()
-        timeout = STATS_TIMEOUT_S if remaining is None else min(remaining, STATS_TIMEOUT_S)
-        results = await asyncio.gather(*(self._cell_stats(c, timeout) for c in cells))
-        reached = [s for s in results if s is not None]
-        if not reached:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no cell answered CacheStats")
-        context.set_trailing_metadata(per_cell_metadata(dict(zip(cells, results, strict=True))))
-        return aggregate(reached)
-
-    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext,
-                           ) -> generate_pb2.GetModelInfoResponse:
-        """One healthy cell's answer (every cell of a deployment serves the same model),
-        its name in ``x-tandem-cell``; the next healthy cell is asked if one fails
-        (none: UNAVAILABLE, mapped by the interceptor)."""
-        remaining = context.time_remaining()
-        timeout = STATS_TIMEOUT_S if remaining is None else min(remaining, STATS_TIMEOUT_S)
-        info, cell = await self.forwarder.model_info(timeout)
-        context.set_trailing_metadata(((CELL_HEADER, cell),))
-        return info
-
-    async def _cell_stats(self, cell: str,
-                          timeout: float) -> generate_pb2.CacheStatsResponse | None:
-        try:
-            return await self.pool.stubs[cell].CacheStats(generate_pb2.CacheStatsRequest(),
-                                                          timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return None
+    async def model_info(self, timeout: float) -> tuple[generate_pb2.GetModelInfoResponse, str]:
+        return await self.forwarder.model_info(timeout)  # under the router's model names
 
 
 def _parent_context(context: grpc.aio.ServicerContext) -> otel_context.Context:

@@ -314,6 +314,7 @@ def _add_epp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=seconds_arg, default=_env("EPP_BODY_TIMEOUT", "30"),
                    help="seconds a request's body may take to arrive")
     _add_picking_flags(p, "EPP")
+    _add_tracing_flags(p)  # a tandem.route span per pick (docs/observability.md)
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -604,23 +605,31 @@ def _pool_source(args: argparse.Namespace):
 def cmd_epp(args: argparse.Namespace) -> int:
     from router_svc.epp_server import serve
 
-    asyncio.run(serve(_epp_config(args, args.listen)))
+    config = _epp_config(args, args.listen)
+    _setup_tracing("tandem-epp", args)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        _shutdown_tracing()
     return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from tandem_cli.gateway import EnvoyFailed, EnvoyMissing, GatewayConfig, run_gateway
 
+    config = GatewayConfig(_epp_config(args, args.epp_listen), listen=args.listen,
+                           admin_port=args.admin_port, fail_open=args.fail_open,
+                           envoy_log_level=args.envoy_log_level)
+    _setup_tracing("tandem-epp", args)  # the picker runs in this process
     try:
-        asyncio.run(run_gateway(GatewayConfig(
-            _epp_config(args, args.epp_listen), listen=args.listen,
-            admin_port=args.admin_port, fail_open=args.fail_open,
-            envoy_log_level=args.envoy_log_level)))
+        asyncio.run(run_gateway(config))
     except EnvoyMissing as exc:
         raise SettingsError(str(exc)) from None
     except EnvoyFailed as exc:
         print(f"tandem gateway: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        _shutdown_tracing()
     return 0
 
 

@@ -71,8 +71,10 @@ def test_fail_open_routes_unpicked_requests_to_the_fallbacks_by_protocol() -> No
                         fallback_grpc=[("10.0.0.1", 50051)], fallback_http=[("10.0.0.1", 8000)])
     routes = manager(b)["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"]["cluster"] for r in routes] == [
-        CELLS_CLUSTER, FALLBACK_GRPC_CLUSTER, FALLBACK_HTTP_CLUSTER, CELLS_CLUSTER]
-    assert routes[0]["match"]["headers"] == [{"name": DESTINATION_HEADER,
+        EPP_CLUSTER, CELLS_CLUSTER, FALLBACK_GRPC_CLUSTER, FALLBACK_HTTP_CLUSTER, CELLS_CLUSTER]
+    # The admin calls go to the picker itself, ext_proc off (nothing to pick).
+    assert routes[0]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
+    assert routes[1]["match"]["headers"] == [{"name": DESTINATION_HEADER,
                                               "present_match": True}]
     assert manager(b)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
 

@@ -26,9 +26,11 @@ import pytest
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kube_emulator.fixtures import emulated_cluster
+from otlp_receiver import OtlpReceiver
 from pki import make_pki
 
 from router_svc import ext_proc_pb2 as ext_proc
+from router_svc.cell_admin import CELL_HEADER
 from router_svc.epp import (
     DESTINATION_HEADER,
     GENERATE_PATH,
@@ -44,6 +46,7 @@ from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
 from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_cli.cli import main
 from tandem_cli.gateway import (
     GatewayConfig,
     gateway_bootstrap,
@@ -51,6 +54,7 @@ from tandem_cli.gateway import (
     stop_envoy,
     wait_envoy_ready,
 )
+from tandem_cli.traces_view import Span
 from tandem_operator.envoy import UpstreamTls, envoy_bootstrap
 from tandem_testing.cells import (
     Cell,
@@ -78,6 +82,7 @@ class Gateway:
     epp: str  # the picker's ext_proc port
     channel: grpc.Channel
     metrics: str  # the picker's /metrics
+    receiver: OtlpReceiver  # the spans of the cells and the picker
 
     @property
     def stub(self) -> generate_pb2_grpc.GenerationStub:
@@ -93,8 +98,16 @@ class Gateway:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gateway")
     http_ports = [free_port(), free_port()]
-    with running_cells([running_cell(tmp / f"cell{i}", "--http-listen", f"127.0.0.1:{p}")
-                        for i, p in enumerate(http_ports)]) as cells:
+    # The cells and the picker trace to one receiver, exporting every 0.1 s.
+    with OtlpReceiver() as receiver, pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        yield from _gateway(tmp, http_ports, receiver)
+
+
+def _gateway(tmp: Path, http_ports: list[int], receiver: OtlpReceiver) -> Iterator[Gateway]:
+    tracing = ("--otlp-endpoint", receiver.endpoint)
+    with running_cells([running_cell(tmp / f"cell{i}", "--http-listen", f"127.0.0.1:{p}",
+                                     *tracing) for i, p in enumerate(http_ports)]) as cells:
         spec = ",".join(f"{c.target}/{p}" for c, p in zip(cells, http_ports, strict=True))
         listen, epp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         metrics = free_port()
@@ -104,7 +117,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                 [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells", spec,
                  "--listen", listen, "--epp-listen", epp, "--admin-port", str(free_port()),
                  "--health-interval", "0.2", "--block-size", str(BLOCK),
-                 "--metrics-port", str(metrics)],
+                 "--metrics-port", str(metrics), *tracing],
                 stdout=out, stderr=subprocess.STDOUT)
         channel = grpc.insecure_channel(listen)
         try:
@@ -114,7 +127,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             endpoints = tuple(CellEndpoint(c.host, c.grpc_port, c.http_port, c.host)
                               for c in parse_cells(spec, 0))  # loopback IPs already
             yield Gateway(cells, endpoints, f"http://{listen}", epp, channel,
-                          f"http://127.0.0.1:{metrics}/metrics")
+                          f"http://127.0.0.1:{metrics}/metrics", receiver)
         finally:
             channel.close()
             stop_process(proc, 20)
@@ -197,6 +210,45 @@ def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:
                        headers={DESTINATION_HEADER: "127.0.0.1:1"}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert _misses(gateway.cells)[owner][1] == after[owner][1] + 1
+
+
+def test_stats_and_model_info_answer_for_every_cell(
+        gateway: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    stream(gateway.stub, request(PROMPT, [png(506)], max_tokens=1))  # a miss on some cell
+    target = gateway.url.removeprefix("http://")
+    # `tandem stats --per-cell` through Envoy: the total, then each cell's own figures.
+    assert main(["stats", "--per-cell", "--target", target]) == 0
+    table = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert table["field"] == ["total", *(c.target for c in gateway.cells)]
+    misses = [s.mm_cache_misses_total for s in (c.stats() for c in gateway.cells)]
+    assert table["mm_cache_misses_total"] == [str(sum(misses)), *map(str, misses)]
+    assert sum(misses) > 0
+    # GetModelInfo: one healthy cell's answer, named in the trailing x-tandem-cell.
+    info, call = gateway.stub.GetModelInfo.with_call(generate_pb2.GetModelInfoRequest(),
+                                                     timeout=10)
+    assert dict(call.trailing_metadata())[CELL_HEADER] in {c.target for c in gateway.cells}
+    assert info == gateway.cells[0].stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+
+
+def test_a_pick_is_traced_between_the_client_and_the_cell(gateway: Gateway) -> None:
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    msg = request(TEXT, max_tokens=2)
+    list(gateway.stub.Generate(msg, timeout=60,
+                               metadata=(("traceparent", f"00-{trace_id}-{parent}-01"),)))
+
+    def named(spans: list[Span], name: str) -> list[Span]:
+        return [s for s in spans if s.trace_id == trace_id and s.name == name]
+    generate = "/tandem.v1.Generation/Generate"
+    spans = gateway.receiver.wait_for(lambda s: bool(named(s, "tandem.route")
+                                                     and named(s, generate)))
+    [route], [server] = named(spans, "tandem.route"), named(spans, generate)
+    assert (route.service, route.parent_id) == ("tandem-epp", parent)
+    cell = gateway.cells[gateway.owner(msg)].target
+    assert route.attributes["tandem.route.cell"] == cell
+    assert route.attributes["tandem.route.reason"] == "affinity"
+    assert route.attributes["tandem.route.in_flight"] >= 1
+    # The cell's spans sit under the pick (the picker set the request's traceparent).
+    assert (server.service, server.parent_id) == ("tandem-scheduler", route.span_id)
 
 
 # --- the picker's ext_proc service, asked directly ----------------------------------------

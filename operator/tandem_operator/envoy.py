@@ -14,6 +14,8 @@ Extension's reference Envoy configuration, with these facts behind it:
   ``envoy.lb``), which the ``ORIGINAL_DST`` cluster connects to.
 * A client could name a destination itself: an *early* header mutation removes the header
   before any filter runs (a normal filter would run after routing had begun).
+* ``tandem.v1``'s CacheStats and GetModelInfo answer for every cell (the sum, the model):
+  their route goes to the EPP's own gRPC port, with ext_proc off (nothing to pick).
 * Fail-closed gives 503 (gRPC UNAVAILABLE needs ``status_on_error: 503``); fail-open in
   full-duplex mode only works when Envoy knows the EPP is gone, hence the health checks on
   the EPP cluster. Envoy ignores ``message_timeout`` in this mode: the EPP bounds its own
@@ -36,6 +38,8 @@ EPP_CLUSTER = "tandem-epp"
 CELLS_CLUSTER = "tandem-cells"
 FALLBACK_GRPC_CLUSTER = "tandem-fallback-grpc"
 FALLBACK_HTTP_CLUSTER = "tandem-fallback-http"
+# tandem.v1's CacheStats and GetModelInfo, which the EPP answers for all cells at once.
+ADMIN_PATHS = r"/tandem\.v1\.Generation/(CacheStats|GetModelInfo)"
 # gRPC requests, by their content type (application/grpc, application/grpc+proto, ...).
 _GRPC_MATCH = {"headers": [{"name": "content-type",
                             "string_match": {"prefix": "application/grpc"}}]}
@@ -110,6 +114,12 @@ def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: 
     picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER,
                                                      "present_match": True}]},
               "route": {"cluster": CELLS_CLUSTER, "timeout": "0s"}}
+    # The admin calls that answer for all cells go to the EPP itself, without a pick.
+    admin = {"match": {"safe_regex": {"regex": ADMIN_PATHS}},
+             "route": {"cluster": EPP_CLUSTER},
+             "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                 "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExtProcPerRoute",
+                 "disabled": True}}}
     unpicked = [{"match": {"prefix": "/", **match}, "route": {"cluster": name, "timeout": "0s"}}
                 for match, name in fallbacks]
     manager = {
@@ -127,9 +137,9 @@ def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: 
             "name": "tandem",
             "virtual_hosts": [{
                 "name": "cells", "domains": ["*"],
-                "routes": [picked, *unpicked, {"match": {"prefix": "/"},
-                                               "route": {"cluster": CELLS_CLUSTER,
-                                                         "timeout": "0s"}}],
+                "routes": [admin, picked, *unpicked, {"match": {"prefix": "/"},
+                                                      "route": {"cluster": CELLS_CLUSTER,
+                                                                "timeout": "0s"}}],
             }],
         },
         "http_filters": [_ext_proc(failure_mode_allow, epp_timeout_s), {
