@@ -7,9 +7,10 @@ gRPC) or an OpenAI JSON body, computes the router's routing key
 (:mod:`router_svc.routing_key`) and lets the router's balancer pick a cell from live state
 (health and queue from :class:`router_svc.cell_pool.CellPool`, bounded-load affinity).
 It answers the request headers with ``x-gateway-destination-endpoint: ip:port`` (and the
-same value in dynamic metadata ``envoy.lb``), streams the body back unchanged, and echoes
-the response as it comes. The cell holds a slot in the balancer for as long as the
-ext_proc stream lives, which is as long as the request.
+same value in dynamic metadata ``envoy.lb``, with the cells to fail over to: see
+:func:`_route_to`), streams the body back unchanged, and echoes the response as it
+comes. The cell holds a slot in the balancer for as long as the ext_proc stream lives,
+which is as long as the request.
 
 Refusals are immediate responses built from :mod:`tandem.errors`: 503 / UNAVAILABLE when no
 cell is up (or none of the gateway's subset hint), 429 / RESOURCE_EXHAUSTED when every

@@ -29,6 +29,8 @@ from pki import make_pki
 from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.epp import (
     DESTINATION_HEADER,
+    FALLBACK_KEY,
+    FALLBACKS_KEY,
     GENERATE_PATH,
     OFF_LOOP_BYTES,
     SERVICE_NAME,
@@ -268,11 +270,16 @@ def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
     mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
     answers = _process(gateway.epp, *_grpc_request(msg), expect=2)
     assert _destination(answers) == mine.destination(True)
+    # The other cell is where Envoy retries if this one fails before answering.
+    lb = answers[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[FALLBACK_KEY].string_value == lb[FALLBACKS_KEY].string_value == \
+        other.destination(True)
     # The body comes back unchanged, in one last chunk.
     streamed = answers[1].request_body.response.body_mutation.streamed_response
     assert streamed.body == _grpc_body(msg) and streamed.end_of_stream
     hinted = _process(gateway.epp, *_grpc_request(msg, hint=[other.destination(True)]))
     assert _destination(hinted) == other.destination(True)
+    assert FALLBACKS_KEY not in hinted[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
     # An HTTP request goes to the HTTP port; the hint may name a cell by either port.
     chat = _chat(png(503), stream_=False)
     http = _process(gateway.epp, _headers("/v1/chat/completions", "application/json",
