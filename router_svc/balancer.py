@@ -149,6 +149,16 @@ class Balancer:
             return decision
         return None
 
+    def fallbacks(self, key: bytes, chosen: str,
+                  only: Collection[str] | None = None) -> list[str]:
+        """Where a request routed to ``chosen`` goes next if that cell fails before its
+        first answer (the gateway retries there; no slot is taken): the other eligible
+        cells (healthy, in ``only``, under their queue bound) in the key's ring order, as
+        ``route`` would walk them with the failed cells excluded. The load bound is left
+        out: it depends on which attempts fail, and a failover is rare and short."""
+        return [c for c in self.ring.walk(key) if c != chosen and c in self.healthy
+                and (only is None or c in only) and not self.queue_full(c)]
+
     def _acquire(self, cell: str) -> None:
         self.in_flight[cell] += 1
         self.peak_in_flight[cell] = max(self.peak_in_flight[cell], self.in_flight[cell])

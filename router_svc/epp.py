@@ -7,10 +7,11 @@ gRPC) or an OpenAI JSON body, computes the router's routing key
 (:mod:`router_svc.routing_key`) and lets the router's balancer pick a cell from live state
 (health and queue from :class:`router_svc.cell_pool.CellPool`, bounded-load affinity).
 It answers the request headers with ``x-gateway-destination-endpoint: ip:port`` (and the
-same value in dynamic metadata ``envoy.lb``), streams the body back unchanged, and echoes
-the response as it comes. The cell holds a slot in the balancer for as long as the
-ext_proc stream lives, which is as long as the request. Each pick is a ``tandem.route``
-span (:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
+same value in dynamic metadata ``envoy.lb``, with the cells to fail over to: see
+:func:`_route_to`), streams the body back unchanged, and echoes the response as it
+comes. The cell holds a slot in the balancer for as long as the ext_proc stream lives,
+which is as long as the request. Each pick is a ``tandem.route`` span
+(:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
 
 Refusals are immediate responses built from :mod:`tandem.errors`: 503 / UNAVAILABLE when no
 cell is up (or none of the gateway's subset hint), 429 / RESOURCE_EXHAUSTED when every
@@ -59,6 +60,10 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"  # Envoy's; the mes
 # router_svc/ext_proc.proto
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
+# Failover (docs/routing.md): GIE's protocol names one fallback endpoint; Envoy's
+# override-host policy takes them all, in order, as "ip:port,ip:port".
+FALLBACK_KEY = "x-gateway-destination-endpoint-fallback"
+FALLBACKS_KEY = "x-gateway-destination-endpoint-fallbacks"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 GENERATE_PATH = f"/{generate_pb2.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
@@ -228,10 +233,14 @@ class Picker:
         return {name for name, c in self.cells.items()
                 if c.ip and {c.ip, c.destination(True), c.destination(False)} & set(hint)}
 
+    def eligible(self, hint: Collection[str] | None) -> set[str]:
+        """The cells a request may go to: those with an address, within the hint."""
+        return ({name for name, c in self.cells.items() if c.ip} if hint is None
+                else self.in_subset(hint))
+
     def pick(self, key: RoutingKey, hint: Collection[str] | None) -> RouteDecision:
         """A slot on a cell (give it back with ``balancer.release``), or the refusal."""
-        only = ({name for name, c in self.cells.items() if c.ip} if hint is None
-                else self.in_subset(hint))
+        only = self.eligible(hint)
         decision = self.balancer.route(key, only=only)
         if decision is not None:
             return decision
@@ -284,7 +293,8 @@ class EppServicer:
                     self.block_size)
             key = (request_key(*args) if len(body) <= OFF_LOOP_BYTES
                    else await asyncio.to_thread(request_key, *args))
-            decision = picker.pick(key, subset_hint(first.metadata_context))
+            hint = subset_hint(first.metadata_context)
+            decision = picker.pick(key, hint)
             trace_headers = route.picked(decision, picker.balancer)
         except TandemError as error:
             route.refused(error)
@@ -293,8 +303,10 @@ class EppServicer:
         finally:
             route.end()
         try:
-            destination = picker.cells[decision.cell].destination(grpc_request)
-            yield _with_headers(_route_to(destination), trace_headers)
+            fallbacks = picker.balancer.fallbacks(key, decision.cell, picker.eligible(hint))
+            yield _with_headers(_route_to([picker.cells[c].destination(grpc_request)
+                                           for c in (decision.cell, *fallbacks)]),
+                                trace_headers)
             if not first.request_headers.end_of_stream:
                 for response in _streamed(body, last=not ended_by_trailers):
                     yield ext_proc.ProcessingResponse(request_body=response)
@@ -356,11 +368,18 @@ def _header(key: str, value: str) -> ext_proc.HeaderValueOption:
         append_action=ext_proc.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def _route_to(destination: str) -> ext_proc.ProcessingResponse:
-    """The request headers' answer: the destination as a header (Envoy re-picks the route
-    with it) and as ``envoy.lb`` metadata (for gateways that read that instead)."""
+def _route_to(destinations: Sequence[str]) -> ext_proc.ProcessingResponse:
+    """The request headers' answer: the picked cell (the first destination) as a header
+    (Envoy re-picks the route with it) and as ``envoy.lb`` metadata (for gateways that read
+    that instead); the others, where the gateway retries a request whose cell failed before
+    answering, as GIE's one fallback and as Envoy's list of them (``FALLBACKS_KEY``)."""
+    destination, *fallbacks = destinations
     metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct(DESTINATION_NAMESPACE)[DESTINATION_HEADER] = destination
+    lb = metadata.get_or_create_struct(DESTINATION_NAMESPACE)
+    lb[DESTINATION_HEADER] = destination
+    if fallbacks:
+        lb[FALLBACK_KEY] = fallbacks[0]
+        lb[FALLBACKS_KEY] = ",".join(fallbacks)
     return ext_proc.ProcessingResponse(
         request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(
             header_mutation=ext_proc.HeaderMutation(

@@ -617,12 +617,17 @@ def cmd_epp(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from tandem_cli.gateway import EnvoyFailed, EnvoyMissing, GatewayConfig, run_gateway
 
-    config = GatewayConfig(_epp_config(args, args.epp_listen), listen=args.listen,
-                           admin_port=args.admin_port, fail_open=args.fail_open,
-                           envoy_log_level=args.envoy_log_level)
+    epp = _epp_config(args, args.epp_listen)
+    if epp.cell_tls.enabled and not epp.cell_tls.ca:
+        # The picker's checks would trust the system roots; Envoy needs the CA file.
+        raise SettingsError("--cell-tls-cert/--cell-tls-key need --cell-tls-ca with tandem "
+                            "gateway: Envoy verifies the cells' certificates against it")
     _setup_tracing("tandem-epp", args)  # the picker runs in this process
     try:
-        asyncio.run(run_gateway(config))
+        asyncio.run(run_gateway(GatewayConfig(
+            epp, listen=args.listen,
+            admin_port=args.admin_port, fail_open=args.fail_open,
+            envoy_log_level=args.envoy_log_level)))
     except EnvoyMissing as exc:
         raise SettingsError(str(exc)) from None
     except EnvoyFailed as exc:

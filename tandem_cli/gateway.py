@@ -24,7 +24,7 @@ from typing import Any
 
 from router_svc.epp import CellEndpoint
 from router_svc.epp_server import EppConfig, create_epp
-from tandem_operator.envoy import envoy_bootstrap
+from tandem_operator.envoy import EnvoyCell, UpstreamTls, envoy_bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,19 @@ class GatewayConfig:
 
 def gateway_bootstrap(config: GatewayConfig, epp_port: int,
                       cells: tuple[CellEndpoint, ...]) -> dict[str, Any]:
-    """The bootstrap of the local gateway: the picker on loopback, the cells (resolved) as
-    fail-open fallbacks when ``fail_open``."""
+    """The bootstrap of the local gateway: the picker on loopback; the cells at the
+    addresses the picker resolved (the ones it names), over TLS with the picker's
+    ``--cell-tls-*`` files."""
     host, _, port = config.listen.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
+    tls = config.epp.cell_tls
     return envoy_bootstrap(
         listen_port=int(port), listen_address="0.0.0.0" if host in ("", "*") else
         "127.0.0.1" if host == "localhost" else host,
         epp_address="127.0.0.1", epp_port=epp_port, admin_port=config.admin_port,
         failure_mode_allow=config.fail_open,
-        fallback_grpc=[(c.ip, c.grpc_port) for c in cells] if config.fail_open else (),
-        fallback_http=[(c.ip, c.http_port) for c in cells] if config.fail_open else ())
+        cells=[EnvoyCell(c.name, c.ip or c.host, c.grpc_port, c.http_port) for c in cells],
+        cell_tls=UpstreamTls(tls.ca, tls.cert, tls.key) if tls.enabled else None)
 
 
 async def run_gateway(config: GatewayConfig) -> None:

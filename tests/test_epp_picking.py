@@ -155,3 +155,28 @@ def test_a_cell_whose_host_does_not_resolve_yet_is_left_out_until_it_does() -> N
     picker.cells[pending.name] = dataclasses.replace(pending, ip="10.0.0.7")
     picked = {picker.pick(bytes([i]), None).cell for i in range(40)}
     assert picked == {ready.name, pending.name}
+
+
+def test_the_fallbacks_are_the_next_eligible_cells_in_ring_order() -> None:
+    """Where Envoy retries a request whose cell failed before answering: the cells the
+    router would have failed over to (its ring order past the picked cell), eligible ones
+    only."""
+    names = [f"10.0.0.{i}:50051" for i in (1, 2, 3, 4)]
+    balancer = Balancer(names, queue_bound=4)
+    for name in names:
+        balancer.set_healthy(name, True)
+    for i in range(20):
+        key = bytes([i])
+        order = list(balancer.ring.walk(key))
+        decision = balancer.route(key)
+        assert decision is not None
+        assert balancer.fallbacks(key, decision.cell) == [c for c in order
+                                                          if c != decision.cell]
+        balancer.release(decision.cell)
+    key = b"k"
+    first, second, third, fourth = balancer.ring.walk(key)
+    balancer.set_healthy(second, False)  # down
+    balancer.set_queued(third, 4)  # over its queue bound
+    assert balancer.fallbacks(key, first) == [fourth]
+    assert balancer.fallbacks(key, first, only={first, second, third}) == []
+    balancer.check_invariants()

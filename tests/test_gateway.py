@@ -33,6 +33,8 @@ from router_svc import ext_proc_pb2 as ext_proc
 from router_svc.cell_admin import CELL_HEADER
 from router_svc.epp import (
     DESTINATION_HEADER,
+    FALLBACK_KEY,
+    FALLBACKS_KEY,
     GENERATE_PATH,
     OFF_LOOP_BYTES,
     SERVICE_NAME,
@@ -55,7 +57,7 @@ from tandem_cli.gateway import (
     wait_envoy_ready,
 )
 from tandem_cli.traces_view import Span
-from tandem_operator.envoy import UpstreamTls, envoy_bootstrap
+from tandem_operator.envoy import EnvoyCell, UpstreamTls, envoy_bootstrap
 from tandem_testing.cells import (
     Cell,
     free_port,
@@ -160,11 +162,15 @@ def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> Non
     msg = request(PROMPT, [data], max_tokens=3)
     owner = gateway.owner(msg)
     before = _misses(gateway.cells)
-    ids, _, last = stream(gateway.stub, msg)
-    assert len(ids) == 3 and last.usage.completion_tokens == 3
+    call = gateway.stub.Generate(msg, timeout=60)
+    ids = [t for m in call for t in m.token_ids]
+    assert len(ids) == 3
+    # The serving cell names itself as the router did, in the initial metadata.
+    assert dict(call.initial_metadata())[CELL_HEADER] == gateway.cells[owner].target
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat(data),
                       timeout=60) as reply:
         assert reply.status_code == 200
+        assert reply.headers[CELL_HEADER] == gateway.cells[owner].target
         assert reply.headers["content-type"].startswith("text/event-stream")
         events = reply.read().decode()
     assert events.rstrip().endswith("data: [DONE]") and '"delta"' in events
@@ -318,11 +324,16 @@ def test_the_subset_hint_narrows_the_pick(gateway: Gateway) -> None:
     mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
     answers = _process(gateway.epp, *_grpc_request(msg), expect=2)
     assert _destination(answers) == mine.destination(True)
+    # The other cell is where Envoy retries if this one fails before answering.
+    lb = answers[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[FALLBACK_KEY].string_value == lb[FALLBACKS_KEY].string_value == \
+        other.destination(True)
     # The body comes back unchanged, in one last chunk.
     streamed = answers[1].request_body.response.body_mutation.streamed_response
     assert streamed.body == _grpc_body(msg) and streamed.end_of_stream
     hinted = _process(gateway.epp, *_grpc_request(msg, hint=[other.destination(True)]))
     assert _destination(hinted) == other.destination(True)
+    assert FALLBACKS_KEY not in hinted[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
     # An HTTP request goes to the HTTP port; the hint may name a cell by either port.
     chat = _chat(png(503), stream_=False)
     http = _process(gateway.epp, _headers("/v1/chat/completions", "application/json",
@@ -524,6 +535,7 @@ def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Pa
         bootstrap = envoy_bootstrap(
             listen_port=listen, listen_address="127.0.0.1", epp_address="127.0.0.1",
             epp_port=epp.server.port, admin_port=admin,
+            cells=[EnvoyCell(c.name, c.ip, c.grpc_port, c.http_port) for c in gateway.endpoints],
             epp_tls=UpstreamTls(ca=str(pki.ca), cert=str(pki.client_cert),
                                 key=str(pki.client_key), sni="localhost"))
         (tmp_path / "envoy").mkdir()
@@ -537,20 +549,36 @@ def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Pa
             stop_envoy(proc)
 
 
-def test_a_killed_cell_is_no_longer_picked(gateway: Gateway) -> None:
+def test_a_killed_cell_fails_over_and_is_no_longer_picked(gateway: Gateway,
+                                                           tmp_path: Path) -> None:
     """Runs last: the killed cell stays dead for the rest of the module."""
     images = []
     for seed in range(600, 700):
         if gateway.owner(request(PROMPT, [png(seed)])) == 1:
             images.append(png(seed))
-        if len(images) == 3:
+        if len(images) == 4:
             break
-    kill_cell(gateway.cells[1])
-    survivor = gateway.cells[0]
-    before = _misses([survivor])[0][0]
-    # The picker learns of it from its next health check (0.2 s here); until then a
-    # request picked for the dead cell fails UNAVAILABLE.
-    _wait(lambda: _served(gateway.stub, request(PROMPT, [images[0]], max_tokens=1)))
-    for data in images[1:]:
+    survivor, name = gateway.cells[0], gateway.cells[0].target
+    # A picker that checks its cells once a minute still picks the dead cell: Envoy
+    # retries the refused connection on the picker's fallback, the other cell.
+    config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0", health_interval=60)
+    with running_epp(config) as epp, \
+            _envoy(GatewayConfig(config, f"127.0.0.1:{free_port()}", free_port()),
+                   epp.server.port, tmp_path / "envoy") as listen:
+        kill_cell(gateway.cells[1])
+        before = _misses([survivor])[0][0]
+        with grpc.insecure_channel(listen) as channel:
+            call = generate_pb2_grpc.GenerationStub(channel).Generate(
+                request(PROMPT, [images[0]], max_tokens=1), timeout=60)
+            assert list(call)[-1].usage.completion_tokens == 1
+            assert dict(call.initial_metadata())[CELL_HEADER] == name
+        reply = httpx.post(f"http://{listen}/v1/chat/completions",
+                           json=_chat(images[1], stream_=False), timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers[CELL_HEADER] == name
+        assert epp.read(lambda: len(epp.server.balancer.healthy)) == 2  # it was picked
+        assert _misses([survivor])[0][0] == before + 2
+    # `tandem gateway` (a check every 0.2 s) serves them at once too, then stops picking it.
+    for data in images[2:]:
         assert stream(gateway.stub, request(PROMPT, [data], max_tokens=1))[2].usage
     assert _misses([survivor])[0][0] == before + len(images)

@@ -40,6 +40,7 @@ from tandem_operator.gateway import (
     build_epp_service,
     build_epp_service_account,
     build_inference_pool,
+    epp_config,
     pools,
 )
 from tandem_operator.kube import KubeApi
@@ -216,7 +217,7 @@ def standalone(patch: dict[str, Any] | None = None) -> Any:
 
 def test_a_real_envoy_accepts_the_standalone_bootstrap(tmp_path: Path) -> None:
     for spec in (standalone(), standalone({"failureMode": "FailOpen"})):
-        bootstrap = json.loads(build_envoy_configmap(spec)["data"]["envoy.json"])
+        bootstrap = json.loads(build_envoy_configmap(spec, CELLS)["data"]["envoy.json"])
         listeners = bootstrap["static_resources"]["listeners"]
         assert [ls["address"]["socket_address"]["port_value"] for ls in listeners] == [
             50051, 8000]
@@ -229,10 +230,30 @@ def test_a_real_envoy_accepts_the_standalone_bootstrap(tmp_path: Path) -> None:
         done = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    dep = build_envoy_deployment(standalone({"envoy": {"image": "mirror/envoy:v1.40.0"}}))
+    dep = build_envoy_deployment(standalone({"envoy": {"image": "mirror/envoy:v1.40.0"}}),
+                                 CELLS)
     [c] = dep["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "mirror/envoy:v1.40.0"
     assert {p["name"] for p in c["ports"]} == {"grpc", "http"}, "the Service's target ports"
+
+
+def test_standalone_envoy_knows_each_cell_by_its_pods_name() -> None:
+    """Failover and x-tandem-cell: Envoy reaches each cell where the EPP names it (its pod's
+    address) and calls it what the EPP calls it."""
+    spec = standalone()
+    bootstrap = json.loads(build_envoy_configmap(spec, CELLS[:2])["data"]["envoy.json"])
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    names = epp_config(spec, CELLS[:2])["TANDEM_EPP_CELLS"].split(",")  # host:grpc/http
+    for cluster, port in (("tandem-cells-grpc", 50051), ("tandem-cells-http", 8000)):
+        endpoints = clusters[cluster]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert [(e["endpoint"]["address"]["socket_address"],
+                 e["metadata"]["filter_metadata"]["tandem"]["name"]) for e in endpoints] == [
+            ({"address": n.rpartition(":")[0], "port_value": port}, n.partition("/")[0])
+            for n in names]
+    assert names[1].startswith("demo-1-scheduler-0.demo-headless.serving.svc:")
+    routes = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[0]["route"]["retry_policy"]["num_retries"] == 1  # two cells
 
 
 def test_standalone_with_tls_is_refused() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Pki, make_pki
@@ -38,6 +39,7 @@ class TlsCell:
     cell: Cell
     pki: Pki
     health_port: int
+    http_port: int  # the OpenAI API, mutual TLS too
     tmp: Path
 
 
@@ -45,8 +47,9 @@ class TlsCell:
 def tls_cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCell]:
     tmp = tmp_path_factory.mktemp("tls")
     pki = make_pki(tmp)
-    port, health_port = free_port(), free_port()
+    port, health_port, http_port = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem_cli.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--http-listen", f"127.0.0.1:{http_port}",
            "--shm-dir", str(tmp / "shm"), "--kv-cache-size", "16Mi", "--log-level", "INFO",
            "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
            "--tls-client-ca", str(pki.ca), "--health-listen", f"127.0.0.1:{health_port}"]
@@ -57,7 +60,7 @@ def tls_cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCell]:
         cell = Cell(f"127.0.0.1:{port}", tmp / "shm", proc, channel)
         try:
             _wait_serving(cell, 90, tmp / "cell.log")
-            yield TlsCell(cell, pki, health_port, tmp)
+            yield TlsCell(cell, pki, health_port, http_port, tmp)
         finally:
             channel.close()
             proc.terminate()
@@ -205,19 +208,27 @@ def _router(tmp: Path, name: str, **settings: str) -> Iterator[tuple[int, int]]:
     """``tandem router`` configured by TANDEM_* variables only; yields (port, health port)
     once its first round of cell checks is done."""
     port, health_port = free_port(), free_port()
-    env = dict(ENV, TANDEM_LISTEN=f"127.0.0.1:{port}",
-               TANDEM_HEALTH_LISTEN=f"127.0.0.1:{health_port}",
-               TANDEM_ROUTER_HEALTH_INTERVAL="0.2", **settings)
+    with _command(tmp, name, "router", TANDEM_LISTEN=f"127.0.0.1:{port}",
+                  TANDEM_HEALTH_LISTEN=f"127.0.0.1:{health_port}",
+                  TANDEM_ROUTER_HEALTH_INTERVAL="0.2", **settings):
+        yield port, health_port
+
+
+@contextlib.contextmanager
+def _command(tmp: Path, name: str, command: str, **settings: str) -> Iterator[None]:
+    """``tandem COMMAND`` configured by TANDEM_* variables only, until the ``with`` ends
+    (then SIGTERM, and a clean exit); entered once it says it is listening."""
+    env = dict(ENV, **settings)
     log_path = tmp / f"{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem_cli.cli", "router"], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "tandem_cli.cli", command], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 30
-        while "tandem router listening" not in log_path.read_text():
+        while f"tandem {command} listening" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
-        yield port, health_port
+        yield
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log_path.read_text()
@@ -251,3 +262,25 @@ def test_mutual_tls_router_in_front_of_a_mutual_tls_cell(tls_cell: TlsCell) -> N
     with _router(tmp, "router-no-cert", TANDEM_ROUTER_CELLS=tls_cell.cell.target,
                  TANDEM_ROUTER_CELL_TLS_CA=str(pki.ca)) as (_, health_port):
         assert _health_status(health_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_the_gateway_reaches_a_mutual_tls_cell(tls_cell: TlsCell) -> None:
+    """``tandem gateway --cell-tls-*``: Envoy's own connections to the cells (both APIs)
+    speak mutual TLS, as the picker's checks do."""
+    pki, cell = tls_cell.pki, tls_cell.cell
+    listen = f"127.0.0.1:{free_port()}"
+    with _command(tls_cell.tmp, "gateway", "gateway", TANDEM_GATEWAY_LISTEN=listen,
+                  TANDEM_EPP_CELLS=f"{cell.target}/{tls_cell.http_port}",
+                  TANDEM_GATEWAY_ADMIN_PORT=str(free_port()),
+                  TANDEM_EPP_CELL_TLS_CA=str(pki.ca),
+                  TANDEM_EPP_CELL_TLS_CERT=str(pki.client_cert),
+                  TANDEM_EPP_CELL_TLS_KEY=str(pki.client_key)):
+        with grpc.insecure_channel(listen) as channel:
+            call = generate_pb2_grpc.GenerationStub(channel).Generate(
+                request("Through Envoy over TLS", max_tokens=2), timeout=60)
+            assert sum(len(m.token_ids) for m in call) == 2
+            assert dict(call.initial_metadata())["x-tandem-cell"] == cell.target
+        reply = httpx.post(f"http://{listen}/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-tandem-cell"] == cell.target

@@ -11,7 +11,18 @@ Extension's reference Envoy configuration, with these facts behind it:
 * The ext_proc filter streams both bodies ``FULL_DUPLEX_STREAMED`` with trailers ``SEND``
   (Envoy accepts no other trailer mode there). The EPP answers the request headers with
   ``x-gateway-destination-endpoint: ip:port`` (and the same value in dynamic metadata
-  ``envoy.lb``), which the ``ORIGINAL_DST`` cluster connects to.
+  ``envoy.lb``), plus the cells to fail over to in ``envoy.lb``'s
+  ``x-gateway-destination-endpoint-fallbacks`` (``ip:port,ip:port``).
+* Failover: the cells are two clusters (their gRPC ports, their HTTP ports), each with
+  Envoy's ``override_host`` load-balancing policy, which sends the first attempt to the
+  picked cell and each retry to the next fallback. The route retries what failed before
+  the cell answered (refused or reset connections, gRPC UNAVAILABLE in a trailers-only
+  answer, HTTP 503), at most ``MAX_RETRIES`` times, with the request buffered for it up to
+  ``RETRY_BUFFER_BYTES``. ``override_host`` only reaches cells the cluster lists (an
+  ``ORIGINAL_DST`` cluster reaches any address, but the header is its only source, so a
+  retry would go to the failed cell again): the bootstrap names every cell.
+* ``x-tandem-cell`` in the response headers (gRPC initial metadata) is the name of the cell
+  that answered, from its endpoint's metadata: the last attempt's, after a failover.
 * A client could name a destination itself: an *early* header mutation removes the header
   before any filter runs (a normal filter would run after routing had begun).
 * ``tandem.v1``'s CacheStats and GetModelInfo answer for every cell (the sum, the model):
@@ -34,24 +45,34 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 DESTINATION_NAMESPACE = "envoy.lb"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+FALLBACKS_KEY = "x-gateway-destination-endpoint-fallbacks"
+CELL_HEADER = "x-tandem-cell"
 EPP_CLUSTER = "tandem-epp"
-CELLS_CLUSTER = "tandem-cells"
-FALLBACK_GRPC_CLUSTER = "tandem-fallback-grpc"
-FALLBACK_HTTP_CLUSTER = "tandem-fallback-http"
+GRPC_CELLS_CLUSTER = "tandem-cells-grpc"
+HTTP_CELLS_CLUSTER = "tandem-cells-http"
 # tandem.v1's CacheStats and GetModelInfo, which the EPP answers for all cells at once.
 ADMIN_PATHS = r"/tandem\.v1\.Generation/(CacheStats|GetModelInfo)"
+# Retries of a request whose cell failed before answering: each goes to the next fallback.
+MAX_RETRIES = 3
+RETRY_ON = "connect-failure,refused-stream,reset-before-request,unavailable,retriable-status-codes"
+# A retry resends the request, so Envoy keeps it until the cell answers: as large as a
+# request may be (router_svc.cell_pool.MAX_MESSAGE_BYTES, images included).
+RETRY_BUFFER_BYTES = 256 * 2**20
 # gRPC requests, by their content type (application/grpc, application/grpc+proto, ...).
 _GRPC_MATCH = {"headers": [{"name": "content-type",
                             "string_match": {"prefix": "application/grpc"}}]}
+
+_HAS_DESTINATION = {"name": DESTINATION_HEADER, "present_match": True}
+_CELL_METADATA = "tandem"  # each cell endpoint's metadata namespace: {"name": cell name}
 
 _TYPES = "type.googleapis.com/envoy.extensions"
 
 
 @dataclass(frozen=True)
 class UpstreamTls:
-    """TLS toward the EPP: ``ca`` verifies its certificate (PEM file path; empty = no
-    verification, only encryption); ``cert`` + ``key`` are Envoy's client certificate when
-    the EPP asks for mutual TLS; ``sni`` is the name sent in the handshake."""
+    """TLS toward the EPP or the cells: ``ca`` verifies their certificate chain (PEM file
+    path; empty = no verification, only encryption); ``cert`` + ``key`` are Envoy's client
+    certificate when they ask for mutual TLS; ``sni`` is the name sent in the handshake."""
 
     ca: str = ""
     cert: str = ""
@@ -59,41 +80,54 @@ class UpstreamTls:
     sni: str = ""
 
 
+@dataclass(frozen=True)
+class EnvoyCell:
+    """One cell as Envoy reaches it: ``host`` (IP, or a DNS name Envoy resolves, which must
+    resolve to the address the EPP names) at ``grpc_port`` for gRPC and ``http_port`` for
+    the rest (0: no HTTP); ``name`` is what ``x-tandem-cell`` says (the EPP's name of the
+    cell, its gRPC target)."""
+
+    name: str
+    host: str
+    grpc_port: int
+    http_port: int = 0
+
+
 def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_port: int,
-                    failure_mode_allow: bool = False, epp_tls: UpstreamTls | None = None,
+                    cells: Sequence[EnvoyCell], failure_mode_allow: bool = False,
+                    epp_tls: UpstreamTls | None = None, cell_tls: UpstreamTls | None = None,
                     listen_address: str = "0.0.0.0", admin_address: str = "127.0.0.1",
                     epp_timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
-                    fallback_grpc: Sequence[Endpoint] = (),
-                    fallback_http: Sequence[Endpoint] = (),
                     ) -> dict[str, Any]:
     """An Envoy v3 bootstrap (JSON-serialisable; Envoy reads JSON as YAML).
 
     ``epp_address`` may be an IP or a DNS name (resolved by Envoy, STRICT_DNS);
-    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message.
+    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message. ``cells`` are
+    every cell the EPP may pick (a destination outside them is not reached: the request
+    goes round robin instead); ``cell_tls``: Envoy reaches them over TLS.
 
     ``failure_mode_allow`` (fail-open): when the EPP is down, requests go on without a
-    picked destination, to ``fallback_grpc`` (requests with content-type
-    ``application/grpc``) or ``fallback_http`` (the rest), round robin, without affinity;
-    with no fallback for its protocol a request still gets 503. Fail-closed (the default)
-    answers 503 / gRPC UNAVAILABLE while the EPP is down.
+    picked destination, round robin over the cells, without affinity. Fail-closed (the
+    default) answers 503 / gRPC UNAVAILABLE while the EPP is down.
     """
+    if not cells:
+        raise ValueError("the gateway needs at least one cell")
     for what, port in (("listen", listen_port), ("epp", epp_port), ("admin", admin_port),
-                       *(("fallback", p) for _, p in (*fallback_grpc, *fallback_http))):
+                       *(("cell", p) for c in cells for p in (c.grpc_port, c.http_port or 1))):
         if not 0 < port < 65536:
             raise ValueError(f"{what} port {port} is not in 1..65535")
-    clusters = [_cells_cluster(connect_timeout_s),
-                _epp_cluster(epp_address, epp_port, epp_tls, connect_timeout_s)]
-    fallbacks: list[tuple[dict[str, Any], str]] = []
-    for name, endpoints, match in ((FALLBACK_GRPC_CLUSTER, fallback_grpc, _GRPC_MATCH),
-                                   (FALLBACK_HTTP_CLUSTER, fallback_http, {})):
-        if endpoints:
-            clusters.append(_static_cluster(name, endpoints, connect_timeout_s))
-            fallbacks.append((match, name))
+    clusters = [_cells_cluster(GRPC_CELLS_CLUSTER, [(c, c.grpc_port) for c in cells],
+                               cell_tls, connect_timeout_s)]
+    protocols = [(_GRPC_MATCH, GRPC_CELLS_CLUSTER)]
+    if http := [(c, c.http_port) for c in cells if c.http_port]:
+        clusters.append(_cells_cluster(HTTP_CELLS_CLUSTER, http, cell_tls, connect_timeout_s))
+        protocols.append(({}, HTTP_CELLS_CLUSTER))
+    clusters.append(_epp_cluster(epp_address, epp_port, epp_tls, connect_timeout_s))
     return {
         "admin": {"address": _socket(admin_address, admin_port)},
         "static_resources": {
             "listeners": [_listener(listen_address, listen_port, failure_mode_allow,
-                                    epp_timeout_s, fallbacks)],
+                                    epp_timeout_s, protocols, len(cells))],
             "clusters": clusters,
         },
     }
@@ -108,20 +142,24 @@ def _duration(seconds: float) -> str:
 
 
 def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: float,
-              fallbacks: Sequence[tuple[dict[str, Any], str]]) -> dict[str, Any]:
-    # timeout 0: a generation streams as long as it takes (the cell bounds it). The EPP's
-    # answer clears the route cache, so the header route is chosen once it is set.
-    picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER,
-                                                     "present_match": True}]},
-              "route": {"cluster": CELLS_CLUSTER, "timeout": "0s"}}
+              protocols: Sequence[tuple[dict[str, Any], str]],
+              cell_count: int) -> dict[str, Any]:
+    # The EPP's answer clears the route cache, so the picked routes are chosen once it set
+    # the destination. Without one (fail-open with the EPP down) a request goes round robin
+    # (the cell clusters' fallback policy), or, fail-closed, gets 503.
+    picked = [_route({"prefix": "/", **match,
+                      "headers": [*match.get("headers", []), _HAS_DESTINATION]},
+                     cluster, cell_count) for match, cluster in protocols]
+    unpicked = ([_route({"prefix": "/", **match}, cluster, cell_count)
+                 for match, cluster in protocols] if failure_mode_allow else
+                [{"match": {"prefix": "/"}, "direct_response": {
+                    "status": 503, "body": {"inline_string": "no cell was picked"}}}])
     # The admin calls that answer for all cells go to the EPP itself, without a pick.
     admin = {"match": {"safe_regex": {"regex": ADMIN_PATHS}},
              "route": {"cluster": EPP_CLUSTER},
              "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
                  "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExtProcPerRoute",
                  "disabled": True}}}
-    unpicked = [{"match": {"prefix": "/", **match}, "route": {"cluster": name, "timeout": "0s"}}
-                for match, name in fallbacks]
     manager = {
         "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "tandem",
@@ -137,9 +175,11 @@ def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: 
             "name": "tandem",
             "virtual_hosts": [{
                 "name": "cells", "domains": ["*"],
-                "routes": [admin, picked, *unpicked, {"match": {"prefix": "/"},
-                                                      "route": {"cluster": CELLS_CLUSTER,
-                                                                "timeout": "0s"}}],
+                "routes": [admin, *picked, *unpicked],
+                "response_headers_to_add": [{
+                    "header": {"key": CELL_HEADER,
+                               "value": f"%UPSTREAM_METADATA({_CELL_METADATA}:name)%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             }],
         },
         "http_filters": [_ext_proc(failure_mode_allow, epp_timeout_s), {
@@ -179,47 +219,76 @@ def _ext_proc(failure_mode_allow: bool, timeout_s: float) -> dict[str, Any]:
     }
 
 
-def _cells_cluster(connect_timeout_s: float) -> dict[str, Any]:
-    return {
-        "name": CELLS_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": _duration(connect_timeout_s),
-        "original_dst_lb_config": {"use_http_header": True,
-                                   "http_header_name": DESTINATION_HEADER},
-        "typed_extension_protocol_options": _downstream_protocol(),
-    }
+def _route(match: dict[str, Any], cluster: str, cell_count: int) -> dict[str, Any]:
+    """To a cell cluster, retrying on the next fallback what failed before the cell
+    answered (once response headers went to the client, nothing is retried). timeout 0:
+    a generation streams as long as it takes (the cell bounds it)."""
+    return {"match": match, "request_body_buffer_limit": str(RETRY_BUFFER_BYTES), "route": {
+        "cluster": cluster, "timeout": "0s",
+        "retry_policy": {
+            "retry_on": RETRY_ON, "retriable_status_codes": [503],
+            "num_retries": min(MAX_RETRIES, cell_count - 1),
+            # Past the EPP's fallbacks the cluster's round robin picks: not a cell that
+            # failed this request already.
+            "retry_host_predicate": [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions."
+                                 "retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+            "host_selection_retry_max_attempts": "5",
+        },
+    }}
 
 
-def _static_cluster(name: str, endpoints: Sequence[Endpoint],
-                    connect_timeout_s: float) -> dict[str, Any]:
+def _cells_cluster(name: str, endpoints: Sequence[tuple[EnvoyCell, int]],
+                   tls: UpstreamTls | None, connect_timeout_s: float) -> dict[str, Any]:
+    """The cells at one port each (all gRPC, or all HTTP/1.1), reached at the EPP's
+    destination and then its fallbacks (``override_host``), round robin without them."""
+    cluster = _static_cluster(name, [(c.host, port) for c, port in endpoints],
+                              connect_timeout_s, http2=name == GRPC_CELLS_CLUSTER)
+    for lb_endpoint, (cell, _) in zip(
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"], endpoints, strict=True):
+        lb_endpoint["metadata"] = {"filter_metadata": {_CELL_METADATA: {"name": cell.name}}}
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": f"{_TYPES}.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [
+                {"header": DESTINATION_HEADER},
+                {"metadata": {"key": DESTINATION_NAMESPACE, "path": [{"key": FALLBACKS_KEY}]}},
+            ],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": f"{_TYPES}.load_balancing_policies.round_robin.v3."
+                                          "RoundRobin"}}}]},
+        }}}]}
+    if tls is not None:
+        cluster["transport_socket"] = _tls_socket(tls, "h2" if name == GRPC_CELLS_CLUSTER
+                                                  else "http/1.1")
+    return cluster
+
+
+def _static_cluster(name: str, endpoints: Sequence[Endpoint], connect_timeout_s: float,
+                    http2: bool) -> dict[str, Any]:
+    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     return {
         "name": name,
         "type": "STRICT_DNS",
         "connect_timeout": _duration(connect_timeout_s),
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _socket(host, port)}} for host, port in endpoints]}]},
-        "typed_extension_protocol_options": _downstream_protocol(),
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": protocol,
+            },
+        },
     }
-
-
-def _downstream_protocol() -> dict[str, Any]:
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
-        "use_downstream_protocol_config": {},
-    }}
 
 
 def _epp_cluster(address: str, port: int, tls: UpstreamTls | None,
                  connect_timeout_s: float) -> dict[str, Any]:
-    cluster = _static_cluster(EPP_CLUSTER, [(address, port)], connect_timeout_s)
+    cluster = _static_cluster(EPP_CLUSTER, [(address, port)], connect_timeout_s, http2=True)
     cluster.update({
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            },
-        },
         # Fail-open needs Envoy to know the EPP is down before it opens a stream (once a
         # body went to a stream that then failed, full-duplex mode can only answer 503):
         # the EPP's ext_proc health service decides, and without panic routing a down EPP
@@ -232,24 +301,28 @@ def _epp_cluster(address: str, port: int, tls: UpstreamTls | None,
         }],
     })
     if tls is not None:
-        cluster["transport_socket"] = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": f"{_TYPES}.transport_sockets.tls.v3.UpstreamTlsContext",
-                "sni": tls.sni,
-                "common_tls_context": _tls_context(tls),
-            },
-        }
+        cluster["transport_socket"] = _tls_socket(tls, "h2")
     return cluster
 
 
-def _tls_context(tls: UpstreamTls) -> dict[str, Any]:
-    context: dict[str, Any] = {"alpn_protocols": ["h2"]}
+def _tls_socket(tls: UpstreamTls, alpn: str) -> dict[str, Any]:
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": tls.sni,
+            "common_tls_context": _tls_context(tls, alpn),
+        },
+    }
+
+
+def _tls_context(tls: UpstreamTls, alpn: str) -> dict[str, Any]:
+    context: dict[str, Any] = {"alpn_protocols": [alpn]}
     if tls.ca:
         context["validation_context"] = {"trusted_ca": {"filename": tls.ca}}
     if tls.cert or tls.key:
         if not (tls.cert and tls.key):
-            raise ValueError("a client certificate toward the EPP needs both cert and key")
+            raise ValueError("an upstream client certificate needs both cert and key")
         context["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert},
                                         "private_key": {"filename": tls.key}}]
     return context

@@ -36,12 +36,11 @@ from tandem_operator.containers import (
     serving_container,
     serving_pod_spec,
 )
-from tandem_operator.envoy import envoy_bootstrap
+from tandem_operator.envoy import EnvoyCell, envoy_bootstrap
 from tandem_operator.manifests import (
     SCHEDULER_METRICS_PORT,
     labels,
     selector_labels,
-    service_name,
     tls_config,
     tls_volumes,
     tracing_config,
@@ -208,23 +207,30 @@ def envoy_name(spec: TandemSpec) -> str:
     return f"{spec.name}-envoy"
 
 
-def envoy_config(spec: TandemSpec) -> dict[str, str]:
+def envoy_cells(spec: TandemSpec, cells: Sequence[Cell]) -> list[EnvoyCell]:
+    """The cells as Envoy reaches them: by their scheduler pods' DNS names (which resolve to
+    the addresses the EPP names), named as the EPP names them (`x-tandem-cell`)."""
+    return [EnvoyCell(address, address.rpartition(":")[0], spec.scheduler.port,
+                      spec.http.port if spec.http.enabled else 0)
+            for address in (cell_address(spec, c.index) for c in cells)]
+
+
+def envoy_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     """The Envoy of standalone routing: its bootstrap (envoy.py's builder) as a file.
 
     One listener per port of the Service, so that the Service's named ports (`grpc`, `http`)
     land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service,
     in plaintext: standalone routing is refused with spec.tls (spec.py), as the bootstrap
-    has no TLS listener. Fail-open sends requests round robin to the schedulers through the
-    headless Service, without affinity.
+    has no TLS listener. It knows every recorded cell (as the EPP does, so it rolls with
+    the EPP on a change in their number): the EPP's pick, the fallbacks a failed request
+    is retried on, and, fail-open, the round robin while the EPP is down.
     """
-    cells = service_name(spec, headless=True) + f".{spec.namespace}.svc"
     epp = f"{epp_name(spec)}.{spec.namespace}.svc"
     ports = [spec.scheduler.port, *([spec.http.port] if spec.http.enabled else [])]
     bootstraps = [envoy_bootstrap(
         listen_port=port, epp_address=epp, epp_port=EPP_PORT, admin_port=ENVOY_ADMIN_PORT,
         failure_mode_allow=spec.routing.failure_mode == "FailOpen",
-        fallback_grpc=[(cells, spec.scheduler.port)],
-        fallback_http=[(cells, spec.http.port)] if spec.http.enabled else [])
+        cells=envoy_cells(spec, cells))
         for port in ports]
     bootstrap = bootstraps[0]
     for port, other in zip(ports[1:], bootstraps[1:], strict=True):
@@ -233,8 +239,8 @@ def envoy_config(spec: TandemSpec) -> dict[str, str]:
     return {ENVOY_FILE: json.dumps(bootstrap, indent=1, sort_keys=True)}
 
 
-def build_envoy_configmap(spec: TandemSpec) -> dict[str, Any]:
-    return build_settings_configmap(spec, envoy_name(spec), "envoy", envoy_config(spec))
+def build_envoy_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
+    return build_settings_configmap(spec, envoy_name(spec), "envoy", envoy_config(spec, cells))
 
 
 def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
@@ -260,8 +266,8 @@ def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
     }
 
 
-def build_envoy_deployment(spec: TandemSpec) -> dict[str, Any]:
+def build_envoy_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
     volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}}]
     pod_spec = serving_pod_spec(spec, "envoy", [_envoy_container(spec)], volumes)
     return build_front_deployment(spec, envoy_name(spec), "envoy", spec.routing.envoy.replicas,
-                                  pod_spec, envoy_config(spec))
+                                  pod_spec, envoy_config(spec, cells))

@@ -240,7 +240,8 @@ async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
         front = [*front, build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
                  build_epp_service(spec)]
     if spec.front == "envoy":
-        front = [*front, build_envoy_configmap(spec), build_envoy_deployment(spec)]
+        front = [*front, build_envoy_configmap(spec, cells),
+                 build_envoy_deployment(spec, cells)]
     kopf.adopt(front, owner=owner)
     for obj in front:
         await kube.apply(obj)
