@@ -8,10 +8,11 @@ gRPC) or an OpenAI JSON body, computes the router's routing key
 (health and queue from :class:`router_svc.cell_pool.CellPool`, bounded-load affinity).
 It answers the request headers with ``x-gateway-destination-endpoint: ip:port`` (and the
 same value in dynamic metadata ``envoy.lb``, with the cells to fail over to: see
-:func:`_route_to`), streams the body back unchanged, and echoes the response as it
-comes. The cell holds a slot in the balancer for as long as the ext_proc stream lives,
-which is as long as the request. Each pick is a ``tandem.route`` span
-(:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
+:func:`_route_to`), streams the body back unchanged, and echoes whatever of the response
+the gateway sends (Tandem's own bootstrap sends only its trailers; GIE's reference
+configuration sends it all). The cell holds a slot in the balancer for as long as the
+ext_proc stream lives, which is as long as the request. Each pick is a ``tandem.route``
+span (:mod:`router_svc.route_span`) whose context the header answer hands to the cell.
 
 Refusals are immediate responses built from :mod:`tandem.errors`: 503 / UNAVAILABLE when no
 cell is up (or none of the gateway's subset hint), 429 / RESOURCE_EXHAUSTED when every

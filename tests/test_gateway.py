@@ -182,23 +182,46 @@ def test_grpc_and_streamed_chat_land_on_the_images_cell(gateway: Gateway) -> Non
     assert gateway.cells[1 - owner].stream(msg)[0] == ids
 
 
+def _per_cell(gateway: Gateway, metric: str) -> dict[str, float]:
+    """The picker's ``metric`` summed per cell label, read from its /metrics."""
+    text = httpx.get(gateway.metrics, timeout=10).text
+    assert "tandem_route_cell_serving" in text and "tandem_epp_refused" in text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            cell = line.split('cell="')[1].split('"')[0]
+            out[cell] = out.get(cell, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_the_pickers_metrics(gateway: Gateway) -> None:
-    def decisions() -> dict[str, float]:
-        text = httpx.get(gateway.metrics, timeout=10).text
-        assert "tandem_route_cell_serving" in text and "tandem_epp_refused" in text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("tandem_route_decisions_total{"):
-                cell = line.split('cell="')[1].split('"')[0]
-                out[cell] = out.get(cell, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
     msg = request(PROMPT, [png(505)], max_tokens=1)
     cell = gateway.cells[gateway.owner(msg)].target
-    before = decisions()
+    before = _per_cell(gateway, "tandem_route_decisions_total")
     stream(gateway.stub, msg)
-    after = decisions()
+    after = _per_cell(gateway, "tandem_route_decisions_total")
     assert after[cell] == before.get(cell, 0) + 1
     assert sum(after.values()) == sum(before.values()) + 1
+
+
+def test_a_request_holds_its_slot_until_its_response_ends(gateway: Gateway) -> None:
+    """The picker does not see the response's body, only its end: the slot must still be
+    held while tokens stream (gRPC and HTTP/1.1 SSE alike), and given back when the
+    client goes away. 200 tokens take the cell far longer than the check."""
+    msg = request(PROMPT, [png(506)], max_tokens=200)
+    cell = gateway.cells[gateway.owner(msg)].target
+    call = gateway.stub.Generate(msg, timeout=60)
+    next(call)
+    assert _per_cell(gateway, "tandem_route_in_flight")[cell] == 1
+    call.cancel()
+    _wait(lambda: sum(_per_cell(gateway, "tandem_route_in_flight").values()) == 0)
+    body = {**_chat(png(506)), "max_tokens": 200, "ignore_eos": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body,
+                      timeout=60) as reply:
+        lines = reply.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")
+        assert _per_cell(gateway, "tandem_route_in_flight")[cell] == 1
+    _wait(lambda: sum(_per_cell(gateway, "tandem_route_in_flight").values()) == 0)
 
 
 def test_a_client_sent_destination_is_ignored(gateway: Gateway) -> None:

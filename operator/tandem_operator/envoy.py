@@ -8,8 +8,10 @@ Extension's reference Envoy configuration, with these facts behind it:
   OpenAI-compatible API). The upstream keeps the client's protocol
   (``use_downstream_protocol_config``): a cell's gRPC port speaks h2c only, its HTTP port
   HTTP/1.1 only, and the EPP picks the port to match.
-* The ext_proc filter streams both bodies ``FULL_DUPLEX_STREAMED`` with trailers ``SEND``
-  (Envoy accepts no other trailer mode there). The EPP answers the request headers with
+* The ext_proc filter streams the request body ``FULL_DUPLEX_STREAMED`` with trailers
+  ``SEND`` (Envoy accepts no other trailer mode there) and sends only the response's
+  trailers (see ``_ext_proc``); a gateway that sends the whole response, as GIE's
+  reference configuration does, works with the same picker. The EPP answers the request headers with
   ``x-gateway-destination-endpoint: ip:port`` (and the same value in dynamic metadata
   ``envoy.lb``), plus the cells to fail over to in ``envoy.lb``'s
   ``x-gateway-destination-endpoint-fallbacks`` (``ip:port,ip:port``).
@@ -205,10 +207,16 @@ def _ext_proc(failure_mode_allow: bool, timeout_s: float) -> dict[str, Any]:
             "failure_mode_allow": failure_mode_allow,
             "status_on_error": {"code": 503},
             "message_timeout": _duration(timeout_s),
+            # The picker needs the request (headers and the whole body) and the end of the
+            # response (its slot is held until then), not the response itself: the
+            # response's headers and body pass Envoy without a round trip to the picker (one
+            # per streamed chunk otherwise: ~2 ms per request on loopback), and its trailers,
+            # asked for, keep the stream open to the end (Envoy closes it after the last
+            # phase it sends; an HTTP/1.1 response without trailers ends it all the same).
             "processing_mode": {
-                "request_header_mode": "SEND", "response_header_mode": "SEND",
+                "request_header_mode": "SEND", "response_header_mode": "SKIP",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "NONE",
                 "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
             },
             "metadata_options": {
