@@ -253,7 +253,8 @@ def test_standalone_envoy_knows_each_cell_by_its_pods_name() -> None:
     assert names[1].startswith("demo-1-scheduler-0.demo-headless.serving.svc:")
     routes = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    assert routes[0]["route"]["retry_policy"]["num_retries"] == 1  # two cells
+    # routes[0]: the admin calls, to the picker; then the picked cells, retried.
+    assert routes[1]["route"]["retry_policy"]["num_retries"] == 1  # two cells
 
 
 def test_standalone_with_tls_is_refused() -> None:
