@@ -6,8 +6,8 @@ alternately straight to the cell and through Envoy, so drifting load on a shared
 hits both alike. Then the picker stops and the same is done again: fail-open Envoy now
 forwards without asking anyone, which gives Envoy's own share. By default the calls are
 gRPC health checks of the cell's service: one passes Envoy and the picker exactly as
-Generate does (headers, buffered body, pick, streamed body, echoed response) but costs the
-cell next to nothing (GetModelInfo would not do: Envoy sends it to the picker itself),
+Generate does (headers, buffered body, pick, streamed body, the response's trailers) but
+costs the cell next to nothing (GetModelInfo would not do: Envoy sends it to the picker itself),
 so the model's step time, which varies by tens of milliseconds on a busy machine, does not
 drown the difference; ``--generate`` times one-token Generate calls instead. Run::
 

@@ -11,9 +11,9 @@ Extension's reference Envoy configuration, with these facts behind it:
 * The ext_proc filter streams the request body ``FULL_DUPLEX_STREAMED`` with trailers
   ``SEND`` (Envoy accepts no other trailer mode there) and sends only the response's
   trailers (see ``_ext_proc``); a gateway that sends the whole response, as GIE's
-  reference configuration does, works with the same picker. The EPP answers the request headers with
-  ``x-gateway-destination-endpoint: ip:port`` (and the same value in dynamic metadata
-  ``envoy.lb``), plus the cells to fail over to in ``envoy.lb``'s
+  reference configuration does, works with the same picker. The EPP answers the request
+  headers with ``x-gateway-destination-endpoint: ip:port`` (and the same value in dynamic
+  metadata ``envoy.lb``), plus the cells to fail over to in ``envoy.lb``'s
   ``x-gateway-destination-endpoint-fallbacks`` (``ip:port,ip:port``).
 * Failover: the cells are two clusters (their gRPC ports, their HTTP ports), each with
   Envoy's ``override_host`` load-balancing policy, which sends the first attempt to the
