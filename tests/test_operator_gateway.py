@@ -19,6 +19,7 @@ from kube_emulator import KubeEmulator
 from kube_emulator.cel import rule_failures
 from kube_emulator.fixtures import CRD_PATH, REPO, tandem_spec
 from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
+from pki import make_pki
 from test_chart_harness import (
     NAMESPACE,
     helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
@@ -28,6 +29,7 @@ from test_chart_harness import (
 
 from tandem_cli import cli
 from tandem_cli.gateway import envoy_binary
+from tandem_operator.front import cell_address
 from tandem_operator.gateway import (
     EPP_PORT,
     build_envoy_configmap,
@@ -42,8 +44,7 @@ from tandem_operator.kube import KubeApi
 from tandem_operator.manifests import HEALTH_PORT
 from tandem_operator.placement import Cell
 from tandem_operator.reconcile import Front, apply_services
-from tandem_operator.router import router_config
-from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.spec import parse_spec
 from tandem_operator.workloads import build_pod_template
 
 GIE_CRD = REPO / "tests" / "data" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
@@ -93,7 +94,7 @@ def test_the_charts_gateway_values_reach_the_pools_and_the_epp(helm: dict) -> No
     apply_defaults(load_crd(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"],
                    service)
     spec = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
-    assert not spec.routed and spec.routing.picked
+    assert spec.picked and spec.front == "scheduler"
     for pool in all_pools(spec):
         assert pool_problems(pool) == []
         assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
@@ -133,10 +134,11 @@ def epp_settings(data: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_tandem_epp_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = gateway({"router": {"loadFactor": 1.5}, "prefixCache": {"blockSize": 32}})
+    spec = gateway({"routing": {"mode": "gateway", "loadFactor": 1.5},
+                    "prefixCache": {"blockSize": 32}})
     data = build_epp_configmap(spec, CELLS)["data"]
-    routed = router_config(tandem_spec({"cells": 3}), CELLS)["TANDEM_ROUTER_CELLS"].split(",")
-    assert data["TANDEM_EPP_CELLS"].split(",") == [f"{a}/8000" for a in routed]
+    assert data["TANDEM_EPP_CELLS"].split(",") == [f"{cell_address(spec, c.index)}/8000"
+                                                   for c in CELLS]
     config = epp_settings(data, monkeypatch)
     assert [(c.host, c.grpc_port, c.http_port) for c in config.cells] == [
         (f"demo-{i}-scheduler-0.demo-headless.serving.svc", 50051, 8000) for i in range(3)]
@@ -199,14 +201,49 @@ def test_a_real_envoy_accepts_the_standalone_bootstrap(tmp_path: Path) -> None:
     assert {p["name"] for p in c["ports"]} == {"grpc", "http"}, "the Service's target ports"
 
 
-def test_standalone_with_tls_is_refused() -> None:
-    with pytest.raises(SpecError, match="standalone serves plaintext"):
-        tandem_spec({"routing": {"mode": "standalone"}, **TLS})
+def test_standalone_with_tls_serves_it_and_reaches_the_picker_over_it(tmp_path: Path) -> None:
+    """As every public port under `tls` (and as the removed router did): the listeners serve
+    the Secret's certificate and require the client CA's certificates; the picker is reached
+    over TLS. A real Envoy accepts it, with the Secrets' files where the pod mounts them."""
+    spec = tandem_spec({"cells": 3, **TLS})
+    text = build_envoy_configmap(spec)["data"]["envoy.json"]
+    bootstrap = json.loads(text)
+    for listener in bootstrap["static_resources"]["listeners"]:
+        [chain] = listener["filter_chains"]
+        tls = chain["transport_socket"]["typed_config"]
+        assert tls["require_client_certificate"]
+        context = tls["common_tls_context"]
+        assert context["tls_certificates"] == [{
+            "certificate_chain": {"filename": "/etc/tandem/tls/tls.crt"},
+            "private_key": {"filename": "/etc/tandem/tls/tls.key"}}]
+        assert context["validation_context"]["trusted_ca"] == {
+            "filename": "/etc/tandem/client-ca/ca.crt"}
+    [epp] = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "tandem-epp"]
+    upstream = epp["transport_socket"]["typed_config"]
+    assert upstream["sni"] == "demo-epp.serving.svc"
+    assert upstream["common_tls_context"]["validation_context"]["trusted_ca"] == {
+        "filename": "/etc/tandem/tls/ca.crt"}
+    pod = build_envoy_deployment(spec)["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"tmp", "envoy", "tls", "client-ca"}
+    pki = make_pki(tmp_path)
+    files = {"/etc/tandem/tls/tls.crt": pki.server_cert, "/etc/tandem/tls/tls.key":
+             pki.server_key, "/etc/tandem/tls/ca.crt": pki.ca,
+             "/etc/tandem/client-ca/ca.crt": pki.ca}
+    for mounted, local in files.items():
+        text = text.replace(mounted, str(local))
+    path = tmp_path / "envoy.json"
+    path.write_text(text)
+    done = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plain = json.loads(build_envoy_configmap(standalone())["data"]["envoy.json"])
+    assert all("transport_socket" not in ls["filter_chains"][0]
+               for ls in plain["static_resources"]["listeners"])
 
 
 def test_the_routing_mode_decides_the_front() -> None:
-    assert tandem_spec({"cells": 3}).routing.mode == "router"
-    assert Front.wanted(tandem_spec({"cells": 3}), CELLS) == Front("router", (0, 1, 2))
+    assert tandem_spec({"cells": 3}).routing.mode == "standalone"
+    assert Front.wanted(tandem_spec({"cells": 3}), CELLS) == Front("envoy", (0, 1, 2))
     assert Front.wanted(gateway(), CELLS) == Front("scheduler", (0, 1, 2))
     assert Front.wanted(standalone(), CELLS) == Front("envoy", (0, 1, 2))
     assert Front.wanted(tandem_spec({"routing": {"mode": "gateway"}}), CELLS[:1]) == Front(
@@ -251,9 +288,22 @@ def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi)
         selected: str = service["spec"]["selector"]["app.kubernetes.io/component"]
         return selected
 
-    assert switch("router") == "router"
-    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
-                              "Service": services, "InferencePool": []}
+    # What an earlier operator version ran in front of the cells: gone on the first pass.
+    legacy = [{"apiVersion": api, "kind": kind, "metadata": {
+        "name": "demo-router", "namespace": "serving",
+        "labels": {"app.kubernetes.io/instance": "demo"}}, **extra}
+        for api, kind, extra in (("v1", "ConfigMap", {"data": {}}), ("apps/v1", "Deployment", {
+            "spec": {"selector": {"matchLabels": {"app": "r"}}, "template": {
+                "metadata": {"labels": {"app": "r"}},
+                "spec": {"containers": [{"name": "router", "image": "tandem"}]}}}}))]
+    for obj in legacy:
+        asyncio.run(kube.apply(obj))
+    assert children(kube)["Deployment"] == ["demo-router"]
+    assert switch("router") == "envoy", "the deprecated alias runs standalone"
+    standalone_children = {"Deployment": ["demo-envoy", "demo-epp"],
+                           "ConfigMap": ["demo-envoy", "demo-epp"],
+                           "Service": sorted([*services, "demo-epp"]), "InferencePool": []}
+    assert children(kube) == standalone_children
     assert switch("gateway") == "scheduler"
     assert children(kube) == {"Deployment": ["demo-epp"], "ConfigMap": ["demo-epp"],
                               "Service": sorted([*services, "demo-epp"]),
@@ -261,9 +311,7 @@ def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi)
     switch("gateway", {"http": {"enabled": False}})
     assert children(kube)["InferencePool"] == ["demo-grpc"]
     assert switch("standalone") == "envoy"
-    assert children(kube) == {"Deployment": ["demo-envoy", "demo-epp"],
-                              "ConfigMap": ["demo-envoy", "demo-epp"],
-                              "Service": sorted([*services, "demo-epp"]), "InferencePool": []}
-    assert switch("router") == "router"
-    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
-                              "Service": services, "InferencePool": []}
+    assert children(kube) == standalone_children
+    assert switch("standalone", {"cells": 1}) == "scheduler", "one cell: nothing in front"
+    assert children(kube) == {"Deployment": [], "ConfigMap": [], "Service": services,
+                              "InferencePool": []}

@@ -55,8 +55,19 @@ class UpstreamTls:
     sni: str = ""
 
 
+@dataclass(frozen=True)
+class ListenerTls:
+    """TLS on Envoy's listener: ``cert`` + ``key`` (PEM file paths) serve it; ``client_ca``
+    (PEM; empty = none) makes clients present a certificate it signed (mutual TLS)."""
+
+    cert: str
+    key: str
+    client_ca: str = ""
+
+
 def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_port: int,
                     failure_mode_allow: bool = False, epp_tls: UpstreamTls | None = None,
+                    listener_tls: ListenerTls | None = None,
                     listen_address: str = "0.0.0.0", admin_address: str = "127.0.0.1",
                     epp_timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
                     fallback_grpc: Sequence[Endpoint] = (),
@@ -65,7 +76,8 @@ def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_
     """An Envoy v3 bootstrap (JSON-serialisable; Envoy reads JSON as YAML).
 
     ``epp_address`` may be an IP or a DNS name (resolved by Envoy, STRICT_DNS);
-    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message.
+    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message; ``listener_tls``
+    (None = plaintext) serves the listener over TLS, ALPN h2 and http/1.1.
 
     ``failure_mode_allow`` (fail-open): when the EPP is down, requests go on without a
     picked destination, to ``fallback_grpc`` (requests with content-type
@@ -89,7 +101,7 @@ def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_
         "admin": {"address": _socket(admin_address, admin_port)},
         "static_resources": {
             "listeners": [_listener(listen_address, listen_port, failure_mode_allow,
-                                    epp_timeout_s, fallbacks)],
+                                    epp_timeout_s, fallbacks, listener_tls)],
             "clusters": clusters,
         },
     }
@@ -104,7 +116,8 @@ def _duration(seconds: float) -> str:
 
 
 def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: float,
-              fallbacks: Sequence[tuple[dict[str, Any], str]]) -> dict[str, Any]:
+              fallbacks: Sequence[tuple[dict[str, Any], str]],
+              tls: ListenerTls | None) -> dict[str, Any]:
     # timeout 0: a generation streams as long as it takes (the cell bounds it). The EPP's
     # answer clears the route cache, so the header route is chosen once it is set.
     picked = {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER,
@@ -137,11 +150,29 @@ def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: 
             "typed_config": {"@type": f"{_TYPES}.filters.http.router.v3.Router"},
         }],
     }
+    chain: dict[str, Any] = {"filters": [{
+        "name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+    if tls is not None:
+        chain["transport_socket"] = _listener_tls(tls)
+    return {"name": "tandem", "address": _socket(address, port), "filter_chains": [chain]}
+
+
+def _listener_tls(tls: ListenerTls) -> dict[str, Any]:
+    # Both ALPN protocols: gRPC clients ask for h2, the OpenAI API's for http/1.1.
+    context: dict[str, Any] = {
+        "alpn_protocols": ["h2", "http/1.1"],
+        "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
+                              "private_key": {"filename": tls.key}}],
+    }
+    if tls.client_ca:
+        context["validation_context"] = {"trusted_ca": {"filename": tls.client_ca}}
     return {
-        "name": "tandem",
-        "address": _socket(address, port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}],
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": bool(tls.client_ca),
+            "common_tls_context": context,
+        },
     }
 
 

@@ -6,13 +6,13 @@ Gateway mode: the cluster's gateway (Istio, kgateway, Envoy Gateway, ...) carrie
 an HTTPRoute or GRPCRoute sends them to a pool, and the gateway asks the pool's endpoint
 picker (over Envoy's ext_proc) which cell takes each request. One pool per application
 protocol, because a pool has one `appProtocol` for all its ports: h2c for `tandem.v1` gRPC,
-HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP knows the cells as
-the router does (every recorded cell, by its scheduler pod's DNS name), so it rolls on a
-change in the number of cells, never on placement.
+HTTP/1.1 for the OpenAI API. Both pools name the one EPP Service; the EPP knows the cells by
+their scheduler pods' DNS names (front.py), so it rolls on a change in the number of cells,
+never on placement.
 
-Standalone mode (no such gateway in the cluster): the same EPP, and an Envoy Deployment of
-the operator's in place of the router, configured by envoy.py's bootstrap builder; the
-Service moves to Envoy once it is available, as it moves to the router.
+Standalone mode (no such gateway in the cluster; the default): the same EPP, and an Envoy
+Deployment of the operator's, configured by envoy.py's bootstrap builder; the Service moves
+to Envoy once it is available.
 """
 
 from __future__ import annotations
@@ -32,9 +32,17 @@ from tandem_operator.containers import (
     serving_container,
     serving_pod_spec,
 )
-from tandem_operator.envoy import envoy_bootstrap
+from tandem_operator.envoy import ListenerTls, UpstreamTls, envoy_bootstrap
+from tandem_operator.front import (
+    build_front_deployment,
+    build_settings_configmap,
+    cell_address,
+    cell_tls_config,
+)
 from tandem_operator.manifests import (
+    CLIENT_CA_DIR,
     SCHEDULER_METRICS_PORT,
+    TLS_DIR,
     labels,
     selector_labels,
     service_name,
@@ -43,12 +51,6 @@ from tandem_operator.manifests import (
     tracing_config,
 )
 from tandem_operator.placement import Cell
-from tandem_operator.router import (
-    build_front_deployment,
-    build_settings_configmap,
-    cell_address,
-    cell_tls_config,
-)
 from tandem_operator.spec import TandemSpec
 
 POOL_API = "inference.networking.k8s.io/v1"
@@ -96,25 +98,26 @@ def build_inference_pool(spec: TandemSpec, name: str, app_protocol: str,
 
 
 def epp_cells(spec: TandemSpec, cells: Sequence[Cell]) -> str:
-    """TANDEM_EPP_CELLS: the router's cell addresses (`host:grpc_port`), with `/http_port`
-    when the cells serve HTTP."""
+    """TANDEM_EPP_CELLS: the cells' addresses (`host:grpc_port`), with `/http_port` when
+    they serve HTTP."""
     suffix = f"/{spec.http.port}" if spec.http.enabled else ""
     return ",".join(cell_address(spec, c.index) + suffix for c in cells)
 
 
 def epp_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     """`tandem epp`'s TANDEM_* settings (docs/configuration.md): the cells with both their
-    ports, the router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with
-    the service's certificate, as every public port), health on the plaintext health port."""
+    ports, the picking settings (routing.loadFactor, the cells' block size), ext_proc on
+    EPP_PORT (TLS with the service's certificate, as every public port), health on the
+    plaintext health port."""
     return {
         "TANDEM_EPP_CELLS": epp_cells(spec, cells),
         "TANDEM_LISTEN": f"0.0.0.0:{EPP_PORT}",
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         "TANDEM_METRICS_PORT": str(SCHEDULER_METRICS_PORT),
-        "TANDEM_EPP_LOAD_FACTOR": str(spec.router.load_factor),
+        "TANDEM_EPP_LOAD_FACTOR": str(spec.routing.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-epp",
-    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec, "EPP")
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
 
 
 def build_epp_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
@@ -165,16 +168,26 @@ def envoy_config(spec: TandemSpec) -> dict[str, str]:
     """The Envoy of standalone routing: its bootstrap (envoy.py's builder) as a file.
 
     One listener per port of the Service, so that the Service's named ports (`grpc`, `http`)
-    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service,
-    in plaintext: standalone routing is refused with spec.tls (spec.py), as the bootstrap
-    has no TLS listener. Fail-open sends requests round robin to the schedulers through the
-    headless Service, without affinity.
+    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service.
+    With `tls`, as every public port: the listeners serve the Secret's certificate (and ask
+    for client certificates of the client CA), and Envoy reaches the EPP over TLS, trusting
+    the Secret's CA and presenting its certificate when the EPP asks for one. Fail-open sends
+    requests round robin to the schedulers through the headless Service, without affinity.
     """
     cells = service_name(spec, headless=True) + f".{spec.namespace}.svc"
     epp = f"{epp_name(spec)}.{spec.namespace}.svc"
     ports = [spec.scheduler.port, *([spec.http.port] if spec.http.enabled else [])]
+    listener_tls = epp_tls = None
+    if spec.tls.enabled:
+        mutual = bool(spec.tls.client_ca_secret_name)
+        listener_tls = ListenerTls(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key",
+                                   f"{CLIENT_CA_DIR}/ca.crt" if mutual else "")
+        epp_tls = UpstreamTls(ca=f"{TLS_DIR}/ca.crt", sni=epp,
+                              cert=f"{TLS_DIR}/tls.crt" if mutual else "",
+                              key=f"{TLS_DIR}/tls.key" if mutual else "")
     bootstraps = [envoy_bootstrap(
         listen_port=port, epp_address=epp, epp_port=EPP_PORT, admin_port=ENVOY_ADMIN_PORT,
+        listener_tls=listener_tls, epp_tls=epp_tls,
         failure_mode_allow=spec.routing.failure_mode == "FailOpen",
         fallback_grpc=[(cells, spec.scheduler.port)],
         fallback_http=[(cells, spec.http.port)] if spec.http.enabled else [])
@@ -205,7 +218,7 @@ def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
         "ports": ports,
         "resources": container_resources(spec.routing.envoy.resources, {}),
         "volumeMounts": [SCRATCH_MOUNT, {"name": "envoy", "mountPath": ENVOY_DIR,
-                                         "readOnly": True}],
+                                         "readOnly": True}, *tls_volumes(spec)[1]],
         "securityContext": container_security(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3},
@@ -214,7 +227,8 @@ def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
 
 
 def build_envoy_deployment(spec: TandemSpec) -> dict[str, Any]:
-    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}}]
+    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}},
+               *tls_volumes(spec)[0]]
     pod_spec = serving_pod_spec(spec, "envoy", [_envoy_container(spec)], volumes)
     return build_front_deployment(spec, envoy_name(spec), "envoy", spec.routing.envoy.replicas,
                                   pod_spec, envoy_config(spec))
