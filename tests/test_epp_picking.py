@@ -1,4 +1,4 @@
-"""The endpoint picker's pure parts: cell entries, reading a buffered request into the
+"""The endpoint picker's pure parts: cell entries, reading a buffered request into
 the routing key, the gateway's subset hint, and the balancer's subset and queue
 bound (router_svc/epp.py, router_svc/balancer.py)."""
 
