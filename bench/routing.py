@@ -4,20 +4,23 @@ Every arm sends the same request sequence (images drawn from a Zipf distribution
 images are hot and many are rare) to the same three ``tandem serve`` cells:
 
 * ``round-robin``: the client sends request i straight to cell i mod 3;
-* ``affinity``: straight to the cell the router's balancer picks (the routing policy
+* ``affinity``: straight to the cell the picker's balancer picks (the routing policy
   alone, no extra hop);
-* ``router``: through a ``tandem router`` process (the policy plus the router's hop);
-* ``gateway``: through ``tandem gateway`` (a real Envoy asking the endpoint picker, which
-  runs the router's policy: issue 26's replacement of the router; the picker's added
-  latency alone is ``bench/gateway_latency.py``'s).
+* ``envoy-rr``: through an Envoy with the gateway's bootstrap whose picker never answers,
+  fail-open: its fallback cluster, round robin (the gateway's hop without affinity);
+* ``gateway``: through ``tandem gateway`` (a real Envoy asking the endpoint picker: the
+  policy plus Envoy's and the picker's hop; the picker's added latency alone is
+  ``bench/gateway_latency.py``'s).
 
 Each arm uses its own ``cache_salt``, so no arm reuses another's cached images or
 prefixes. Requests run one at a time and the arms take turns request by request (rotating
 who goes first), so drifting load on a shared machine hits every arm alike; an arm's
 tokens/s is its tokens over the time spent in its own requests. The script prints hit
-rates, tokens/s and TTFT p50/p99 per arm, the ratios to round-robin and the gateway's to
-the router (issue 26's target: a hit rate >= 0.95x the router's), and the ceiling: the hit
-rate of one cell with an unbounded cache (every repeat of an image hits). Run::
+rates, tokens/s and TTFT p50/p99 per arm, the ratios to round-robin, the gateway's to
+Envoy's round robin (what affinity gains through the same hop) and to ``affinity`` (issue
+26's target: a hit rate >= 0.95x the policy's own; the TTFT difference is the hop's
+cost), and the ceiling: the hit rate of one cell with an unbounded cache (every repeat of
+an image hits). Run::
 
     python bench/routing.py --quick      # ~2 minutes on 2 busy cores
     python bench/routing.py --requests 300 --images 40
@@ -46,13 +49,22 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.balancer import Balancer
+from router_svc.epp import CellEndpoint
+from router_svc.epp_server import EppConfig
 from router_svc.routing_key import routing_key
-from router_svc.servicer import CELL_HEADER
 from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem_cli.gateway import (
+    GatewayConfig,
+    gateway_bootstrap,
+    start_envoy,
+    stop_envoy,
+    wait_envoy_ready,
+)
 from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 PROMPT = "Describe <image> in a few words."
 BLOCK_SIZE = 16
+CELL_HEADER = "x-tandem-cell"  # the serving cell, where the path names it
 # (request index, request) -> (the cell that served it, its usage, its TTFT in seconds)
 Send = Callable[[int, generate_pb2.GenerateRequest], tuple[str, generate_pb2.Usage, float]]
 
@@ -112,7 +124,7 @@ def call(stub: generate_pb2_grpc.GenerationStub, msg: generate_pb2.GenerateReque
     return dict(stream.initial_metadata()).get(CELL_HEADER, cell), last.usage, ttft
 
 
-def make_arms(cells: list[Cell], router: generate_pb2_grpc.GenerationStub,
+def make_arms(cells: list[Cell], envoy_rr: generate_pb2_grpc.GenerationStub,
               gateway: generate_pb2_grpc.GenerationStub) -> list[Arm]:
     stubs = {c.target: c.stub for c in cells}
     targets = [c.target for c in cells]
@@ -131,7 +143,7 @@ def make_arms(cells: list[Cell], router: generate_pb2_grpc.GenerationStub,
 
     return [Arm("round-robin", lambda i, m: call(stubs[targets[i % 3]], m, targets[i % 3])),
             Arm("affinity", affinity),
-            Arm("router", lambda _, m: call(router, m, "?")),
+            Arm("envoy-rr", lambda _, m: call(envoy_rr, m, "?")),
             Arm("gateway", lambda _, m: call(gateway, m, "?"))]
 
 
@@ -147,8 +159,8 @@ def run(arms: list[Arm], images: list[bytes], seq: list[int], max_tokens: int) -
 @contextmanager
 def serving_process(name: str, args: list[str], tmp: Path,
                     ) -> Iterator[generate_pb2_grpc.GenerationStub]:
-    """``tandem NAME ARGS --listen 127.0.0.1:PORT`` (the router or the gateway) until it
-    serves the cells' health through its port; stopped with SIGTERM afterwards."""
+    """``tandem NAME ARGS --listen 127.0.0.1:PORT`` (the gateway) until it serves the
+    cells' health through its port; stopped with SIGTERM afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "tandem_cli.cli", name, *args, "--listen", f"127.0.0.1:{port}"]
     log_path = tmp / f"{name}.log"
@@ -162,6 +174,28 @@ def serving_process(name: str, args: list[str], tmp: Path,
         channel.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+@contextmanager
+def round_robin_envoy(cells: list[Cell], tmp: Path) -> Iterator[generate_pb2_grpc.GenerationStub]:
+    """Envoy with ``tandem gateway``'s fail-open bootstrap and a picker port nobody serves:
+    every request takes the fallback cluster, round robin over the cells."""
+    endpoints = tuple(CellEndpoint(host, int(port), 1, host)
+                      for host, _, port in (c.target.rpartition(":") for c in cells))
+    config = GatewayConfig(EppConfig(cells=endpoints), f"127.0.0.1:{free_port()}",
+                           free_port(), fail_open=True)
+    workdir = tmp / "envoy-rr"
+    workdir.mkdir()
+    proc = start_envoy(gateway_bootstrap(config, free_port(), endpoints), workdir)
+    channel = grpc.insecure_channel(config.listen)
+    try:
+        wait_envoy_ready(proc, config.admin_port, workdir)
+        # Fail-open takes effect once Envoy's health check has marked the picker down.
+        wait_serving(health_pb2_grpc.HealthStub(channel), proc, workdir / "envoy.log")
+        yield generate_pb2_grpc.GenerationStub(channel)
+    finally:
+        channel.close()
+        stop_envoy(proc)
 
 
 def wait_serving(health: health_pb2_grpc.HealthStub, proc: subprocess.Popen, log: Path) -> None:
@@ -221,13 +255,16 @@ def print_results(arms: list[Arm], seq: list[int]) -> None:
         print(f"{arm.name} / round-robin: mm hit rate x{hits / rr_hits:.2f}, tokens/s "
               f"x{arm.per_s('completion_tokens') / rr.per_s('completion_tokens'):.2f}; "
               f"{hits / ceiling:.0%} of the one-cell ceiling")
-    router, gateway = (next(a for a in arms if a.name == n) for n in ("router", "gateway"))
-    hits = gateway.rate("mm_cache_hits", "mm_items") / max(
-        router.rate("mm_cache_hits", "mm_items"), 1e-9)
-    tps = gateway.per_s("completion_tokens") / router.per_s("completion_tokens")
-    print(f"gateway / router: mm hit rate x{hits:.2f} (target >= 0.95), tokens/s x{tps:.2f}, "
-          f"TTFT p50 x{gateway.ttft_ms(50) / router.ttft_ms(50):.2f}, "
-          f"p99 x{gateway.ttft_ms(99) / router.ttft_ms(99):.2f}")
+    affinity, envoy_rr, gateway = (next(a for a in arms if a.name == n)
+                                   for n in ("affinity", "envoy-rr", "gateway"))
+    for base, note in ((envoy_rr, "the same hop without affinity"),
+                       (affinity, "the policy alone; target >= 0.95")):
+        hits = gateway.rate("mm_cache_hits", "mm_items") / max(
+            base.rate("mm_cache_hits", "mm_items"), 1e-9)
+        tps = gateway.per_s("completion_tokens") / base.per_s("completion_tokens")
+        print(f"gateway / {base.name} ({note}): mm hit rate x{hits:.2f}, tokens/s x{tps:.2f}, "
+              f"TTFT p50 {gateway.ttft_ms(50) - base.ttft_ms(50):+.1f} ms, "
+              f"p99 {gateway.ttft_ms(99) - base.ttft_ms(99):+.1f} ms")
 
 
 def main() -> None:
@@ -250,13 +287,13 @@ def main() -> None:
         tmp = Path(d)
         cells = start_cells(tmp, stack)
         targets = ",".join(c.target for c in cells)
-        router = stack.enter_context(serving_process("router", ["--cells", targets], tmp))
+        envoy_rr = stack.enter_context(round_robin_envoy(cells, tmp))
         gateway = stack.enter_context(serving_process(
             "gateway", ["--cells", targets, "--admin-port", str(free_port()),
                         "--epp-listen", f"127.0.0.1:{free_port()}"], tmp))
         for i, cell in enumerate(cells):  # first requests pay one-off start-up costs
             cell.generate(PROMPT, [png(i, width, height)], max_tokens=2, cache_salt="warmup")
-        arms = make_arms(cells, router, gateway)
+        arms = make_arms(cells, envoy_rr, gateway)
         run(arms, images, seq, args.max_tokens)
     print_results(arms, seq)
 

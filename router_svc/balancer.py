@@ -50,7 +50,7 @@ class RouteDecision:
 
 
 class Balancer:
-    """Routing state of one router: cell health, requests in flight, decision counters.
+    """Routing state of one endpoint picker: cell health, requests in flight, decision counters.
 
     Invariants (checked whole by ``check_invariants``):
 
@@ -64,8 +64,8 @@ class Balancer:
 
     Only this class mutates them: ``route`` acquires a slot on the chosen cell and
     ``release`` gives it back; ``set_healthy`` is the one way health changes, ``set_queued``
-    the one way the reported queue does. The class is not thread-safe: the router and the
-    endpoint picker call it from their event loop only.
+    the one way the reported queue does. The class is not thread-safe: the endpoint picker
+    calls it from its event loop only.
     """
 
     def __init__(self, cells: Sequence[str], load_factor: float = 1.25,

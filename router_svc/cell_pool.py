@@ -1,11 +1,11 @@
-"""The router's upstream cells: one channel each, and the loop that tracks their health.
+"""The endpoint picker's cells: one channel each, and the loop that tracks their health.
 
 A cell is up while its health service reports ``tandem.v1.Generation`` SERVING (the
 scheduler says so only once its workers are ready, and stops saying so when it begins to
-shut down). A failed check (refused, timed out) or a call that fails with UNAVAILABLE marks
-it down at once; the next check that sees SERVING brings it back, and with it its keys.
-Each check of a serving cell also reads its ``CacheStats``: the cell's own count of
-requests in flight (all clients') is the balancer's queue for that cell.
+shut down). A failed check (refused, timed out) marks it down at once; the next check that
+sees SERVING brings it back, and with it its keys. Each check of a serving cell also reads
+its ``CacheStats``: the cell's own count of requests in flight (all clients') is the
+balancer's queue for that cell.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,7 +23,7 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-# The cell enforces its own request limits (8 images of 20 MiB by default); the router
+# The cell enforces its own request limits (8 images of 20 MiB by default); the picker
 # must never be the smaller limit, so it allows more than any cell would accept.
 MAX_MESSAGE_BYTES = 256 * 2**20
 # A busy cell can answer a health check slowly; a short timeout would flap it.
@@ -43,16 +42,13 @@ CHANNEL_OPTIONS = [
 class CellPool:
     """Channels and stubs per cell, plus the health poller that feeds the balancer.
 
-    ``on_change`` runs (in the event loop) whenever some cell goes up or down;
     ``credentials`` (None = plaintext) are used toward every cell.
     """
 
     def __init__(self, balancer: Balancer, interval: float = 1.0,
-                 on_change: Callable[[], None] | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.balancer = balancer
         self.interval = interval
-        self.on_change = on_change
         self._channels = {
             cell: (grpc.aio.secure_channel(cell, credentials, options=CHANNEL_OPTIONS)
                    if credentials else grpc.aio.insecure_channel(cell, options=CHANNEL_OPTIONS))
@@ -78,9 +74,6 @@ class CellPool:
         for cell, reply in zip(live, stats, strict=True):
             if reply is not None:
                 self.balancer.set_queued(cell, reply.requests_in_flight)
-
-    def mark_down(self, cell: str, why: str) -> None:
-        self._set(cell, False, why)
 
     async def close(self) -> None:
         if self._poller is not None:
@@ -114,5 +107,3 @@ class CellPool:
     def _set(self, cell: str, serving: bool, why: str) -> None:
         if self.balancer.set_healthy(cell, serving):
             log.warning("cell %s is %s (%s)", cell, "up" if serving else "down", why)
-            if self.on_change is not None:
-                self.on_change()

@@ -44,8 +44,10 @@ LIVENESS, READINESS = "liveness", "readiness"
 class EppConfig:
     """Settings of ``tandem epp`` (flags and TANDEM_* variables in docs/configuration.md).
 
-    ``load_factor``, ``block_size``, ``health_interval``, ``tls`` (the ext_proc port) and
-    ``cell_tls`` (toward the cells) mean what they mean for ``tandem router``.
+    ``load_factor``: a cell above this many times the mean in-flight count spills;
+    ``block_size``: the cells' KV block size (a text prompt's key is its first block);
+    ``health_interval``: seconds between checks of every cell; ``tls`` serves the ext_proc
+    port; ``cell_tls`` are the client credentials toward the cells (all empty = plaintext).
     ``cells_file``: read the cells from this file instead of ``cells``, and again
     whenever it changes. ``pool``: follow an InferencePool's pods instead
     (:mod:`router_svc.pool_watch`). ``queue_bound``: a cell reporting this many requests in flight

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the router: decisions per cell and reason, load, health."""
+"""Prometheus metrics of the endpoint picker's balancer: decisions per cell and reason,
+load, health."""
 
 from __future__ import annotations
 

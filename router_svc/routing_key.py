@@ -6,7 +6,7 @@ image (processor cache, keyed by the image's identity and the salt) and the KV p
 the first image's identity, or, for a text-only request, the salt plus the first
 ``block_size`` bytes of its text.
 
-Why bytes, not tokens: the router serves any model and holds no tokenizer. Every token
+Why bytes, not tokens: the picker serves any model and holds no tokenizer. Every token
 of a byte-level or byte-fallback vocabulary stands for at least one byte of text, so two
 prompts that share their first KV block (``block_size`` tokens) share at least their first
 ``block_size`` bytes: the key keeps requests that share a cached block together. (Prompts
@@ -15,7 +15,7 @@ request's text is its messages' roles and text parts in order, which the model's
 template renders in that order.
 
 The key only has to be stable across processes and equal for requests that share cache
-entries; it need not equal the scheduler's mm hash (the router does not import the
+entries; it need not equal the scheduler's mm hash (the picker does not import the
 scheduler). sha256 over length-prefixed parts keeps two different part lists apart.
 """
 
@@ -28,7 +28,7 @@ from tandem.v1 import generate_pb2
 
 RoutingKey = NewType("RoutingKey", bytes)
 
-# Bump when the encoding changes (keys only need to agree among the routers of one
+# Bump when the encoding changes (keys only need to agree among the pickers of one
 # deployment, but a versioned root makes any change explicit).
 KEY_VERSION = b"tandem.routing-key.v1"
 

@@ -1,8 +1,8 @@
 """CacheStats over many cells: the sum, and each cell's own figures beside it.
 
-The public ``CacheStatsResponse`` describes one cell. The router answers with the sum over
-the cells it reached (so dashboards and ``tandem stats`` keep working unchanged) and puts
-every cell's own response in the trailing metadata, which ``tandem stats --per-cell``
+The public ``CacheStatsResponse`` describes one cell. In front of many cells the answer is
+the sum over the cells reached (so dashboards and ``tandem stats`` keep working unchanged),
+with every cell's own response in the trailing metadata, which ``tandem stats --per-cell``
 reads back. This keeps the proto unchanged: one binary entry per reachable cell,
 ``tandem-cell-stats-bin`` = ``<target> \\n <serialized CacheStatsResponse>``, and one
 ``tandem-cell-unreachable`` = ``<target>`` per cell that did not answer.

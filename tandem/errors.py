@@ -46,23 +46,6 @@ class TandemError(Exception):
         self.reason = reason or self.default_reason
         self.param = param  # the request field at fault, when known (OpenAI's "param")
 
-    @classmethod
-    def from_status(cls, code: grpc.StatusCode, message: str, reason: str) -> TandemError:
-        """An error another Tandem server already mapped (a cell behind the router): its
-        code, message and reason as they arrived, so both APIs pass it on unchanged.
-
-        A RESOURCE_EXHAUSTED without a reason is gRPC's own refusal of a message over the
-        server's cap (Tandem's servers always send one): a request too large, not an
-        overload, so HTTP relays it as 413 rather than a 429 a client would retry. A bad
-        constraint keeps its OpenAI ``param`` (gRPC does not carry it)."""
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:
-            return RequestTooLarge(message)
-        if code == BadConstraint.code and reason == BadConstraint.default_reason:
-            return BadConstraint(message)  # with its HTTP param, response_format
-        err = cls(message, reason or code.name)
-        err.code = code
-        return err
-
 
 class InvalidInput(TandemError, ValueError, code=grpc.StatusCode.INVALID_ARGUMENT,
                    reason="INVALID_INPUT"):
@@ -200,13 +183,6 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     err = reported(exc)
     context.set_trailing_metadata(rich_status(err))
     await context.abort(err.code, err.message)
-
-
-def from_rpc_error(exc: grpc.RpcError) -> TandemError:
-    """Client side: a failed call as the error the server mapped (code, message, reason)."""
-    info = error_info(exc)
-    return TandemError.from_status(exc.code(), exc.details() or "",  # type: ignore[attr-defined]
-                                   info.reason if info is not None else "")
 
 
 def error_info(exc: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:

@@ -1,4 +1,4 @@
-"""The gRPC server set-up every Tandem process shares: scheduler, router and worker.
+"""The gRPC server set-up every Tandem process shares: scheduler, worker, endpoint picker.
 
 ``GrpcServer.create`` gives a ``grpc.aio`` server with the one error-mapping interceptor
 (``tandem.errors``), the request-span interceptor when tracing is on, finite message limits,
@@ -10,7 +10,7 @@ with or without TLS, or the worker's Unix socket) and opens the health-only port
 The health-only port: ``grpc.health.v1`` alone, in plaintext, on its own ``host:port``.
 Kubelet gRPC probes speak no TLS and carry no client certificate, and a worker's Step API
 has no authentication at all, so probes get a port of their own where nothing but health
-is served (``--health-listen`` / ``TANDEM_HEALTH_LISTEN``: scheduler, worker and router).
+is served (``--health-listen`` / ``TANDEM_HEALTH_LISTEN``: scheduler, worker, endpoint picker).
 It shares the servicer of the main server, so both always report the same statuses.
 """
 

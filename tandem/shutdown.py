@@ -1,8 +1,8 @@
 """How long a stopping Tandem process lets running work finish (``--shutdown-grace``).
 
-The one definition of the default for the scheduler, the workers, the router, ``tandem
-serve`` and the operator's pods (docs/reliability.md, "Shutdown"). On SIGTERM a scheduler
-or router stops admitting at once and lets running streams finish for up to the grace; a
+The one definition of the default for the scheduler, the workers, the endpoint picker,
+``tandem serve`` and the operator's pods (docs/reliability.md, "Shutdown"). On SIGTERM a
+scheduler stops admitting at once and lets running streams finish for up to the grace; a
 worker keeps running the steps of a scheduler that still streams to it for up to its grace
 (that scheduler may be stopping too: Kubernetes stops a cell's pods together).
 """

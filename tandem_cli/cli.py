@@ -25,6 +25,8 @@ from tandem.sizes import parse_size
 from tandem.tls import TlsConfigError, TlsFiles
 
 DEFAULT_TARGET = "localhost:50051"
+ROUTER_REMOVED = ("tandem router was removed in favour of `tandem gateway` (Envoy + the "
+                  "endpoint picker): see docs/routing.md")
 
 
 class SettingsError(ValueError):
@@ -80,7 +82,7 @@ def _add_served_name_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    default=_served_names(_env("SERVED_MODEL_NAME", "")),
                    help="the model's name(s) in the APIs: the first is reported, any is "
-                        "accepted (default: --model; the router: the cells' names)")
+                        "accepted (default: --model)")
 
 
 def networks_arg(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -263,31 +265,9 @@ def _add_health_listen(p: argparse.ArgumentParser) -> None:
                    help="extra host:port serving only gRPC health, in plaintext (probes)")
 
 
-def _add_picking_flags(p: argparse.ArgumentParser, prefix: str) -> None:
-    """What the router and the endpoint picker share: how they pick a cell and reach it,
-    their ports' TLS, metrics and shutdown. ``prefix``: of their own TANDEM_* variables."""
-    p.add_argument("--load-factor", type=float,
-                   default=float(_env(f"{prefix}_LOAD_FACTOR", "1.25")),
-                   help="a cell above this many times the mean in-flight count spills")
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")),
-                   help="the cells' KV block size: a text prompt's key is its first block")
-    p.add_argument("--health-interval", type=float,
-                   default=float(_env(f"{prefix}_HEALTH_INTERVAL", "1.0")), help="seconds")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
-                   help="Prometheus /metrics port (0 = off)")
-    _add_shutdown_grace(p)
-    _add_tls_serving_flags(p)
-    _add_health_listen(p)
-    p.add_argument("--cell-tls-ca", default=_env(f"{prefix}_CELL_TLS_CA", ""),
-                   help="PEM CA bundle of the cells' certificates: connect to them with TLS")
-    p.add_argument("--cell-tls-cert", default=_env(f"{prefix}_CELL_TLS_CERT", ""),
-                   help="PEM client certificate presented to cells that ask for mutual TLS")
-    p.add_argument("--cell-tls-key", default=_env(f"{prefix}_CELL_TLS_KEY", ""),
-                   help="PEM private key of --cell-tls-cert")
-
-
 def _add_epp_flags(p: argparse.ArgumentParser) -> None:
+    """The endpoint picker's settings (``tandem epp`` and ``tandem gateway``): its cells, how
+    it picks one and reaches it, its port's TLS, metrics and shutdown."""
     p.add_argument("--cells", default=_env("EPP_CELLS", ""),
                    help="comma-separated cells: host:GRPC_PORT or host:GRPC_PORT/HTTP_PORT "
                         "(IPv6 hosts in brackets)")
@@ -313,7 +293,25 @@ def _add_epp_flags(p: argparse.ArgumentParser) -> None:
                         "every cell is there (0 = no bound)")
     p.add_argument("--body-timeout", type=seconds_arg, default=_env("EPP_BODY_TIMEOUT", "30"),
                    help="seconds a request's body may take to arrive")
-    _add_picking_flags(p, "EPP")
+    p.add_argument("--load-factor", type=float,
+                   default=float(_env("EPP_LOAD_FACTOR", "1.25")),
+                   help="a cell above this many times the mean in-flight count spills")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")),
+                   help="the cells' KV block size: a text prompt's key is its first block")
+    p.add_argument("--health-interval", type=float,
+                   default=float(_env("EPP_HEALTH_INTERVAL", "1.0")), help="seconds")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                   help="Prometheus /metrics port (0 = off)")
+    _add_shutdown_grace(p)
+    _add_tls_serving_flags(p)
+    _add_health_listen(p)
+    p.add_argument("--cell-tls-ca", default=_env("EPP_CELL_TLS_CA", ""),
+                   help="PEM CA bundle of the cells' certificates: connect to them with TLS")
+    p.add_argument("--cell-tls-cert", default=_env("EPP_CELL_TLS_CERT", ""),
+                   help="PEM client certificate presented to cells that ask for mutual TLS")
+    p.add_argument("--cell-tls-key", default=_env("EPP_CELL_TLS_KEY", ""),
+                   help="PEM private key of --cell-tls-cert")
     _add_tracing_flags(p)  # a tandem.route span per pick (docs/observability.md)
 
 
@@ -531,28 +529,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run([])
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    from router_svc.server import RouterConfig, serve
-
-    cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
-    if not cells:
-        print("tandem router: --cells (or TANDEM_ROUTER_CELLS) names no cell", file=sys.stderr)
-        return 2
-    _setup_tracing("tandem-router", args)
-    try:
-        asyncio.run(serve(RouterConfig(
-            cells=cells, listen=args.listen, load_factor=args.load_factor,
-            block_size=args.block_size, health_interval=args.health_interval,
-            metrics_port=args.metrics_port, shutdown_grace_s=args.shutdown_grace,
-            health_listen=args.health_listen,
-            tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
-            cell_tls=TlsFiles(args.cell_tls_cert, args.cell_tls_key, args.cell_tls_ca),
-            http=_http_config(args), served_model_names=tuple(args.served_model_name))))
-    finally:
-        _shutdown_tracing()
-    return 0
-
-
 def _epp_config(args: argparse.Namespace, listen: str):
     from router_svc.epp import parse_cells
     from router_svc.epp_server import CellsFile, EppConfig
@@ -648,6 +624,9 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["router"]:  # removed; old scripts get told where to go, whatever flags
+        print(ROUTER_REMOVED, file=sys.stderr)
+        return 2
     if argv[:1] == ["operator"]:
         # Every flag after "operator" belongs to the operator's own parser (argparse's
         # REMAINDER would refuse the leading "--liveness=..." style ones).
@@ -713,15 +692,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Dispatched in main() before parsing; listed here for --help.
     add("operator", cmd_operator, "run the Kubernetes operator (kopf); flags: tandem operator -h")
-
-    p = add("router", cmd_router, "route Generate across cells by cache affinity")
-    p.add_argument("--cells", default=_env("ROUTER_CELLS", ""),
-                   help="comma-separated host:port of the cells' schedulers")
-    p.add_argument("--listen", default=_env("LISTEN", "localhost:50050"))
-    _add_served_name_flag(p)
-    _add_picking_flags(p, "ROUTER")
-    _add_http_flags(p)
-    _add_tracing_flags(p)
 
     p = add("epp", cmd_epp, "the endpoint picker: Envoy's ext_proc server that picks a cell "
             "for each request by cache affinity (docs/routing.md)")

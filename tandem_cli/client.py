@@ -43,7 +43,7 @@ def add_client_commands(sub: argparse._SubParsersAction, default_target: str) ->
     p.add_argument("--target", default=default_target)
     _add_tls_flags(p)
     p.add_argument("--per-cell", action="store_true",
-                   help="behind a router: each cell's figures next to the total")
+                   help="in front of many cells: each cell's figures next to the total")
     p.set_defaults(func=cmd_stats)
 
 

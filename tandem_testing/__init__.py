@@ -1,5 +1,5 @@
 """What the tests and the benchmarks both need: local cells started as real ``tandem serve``
-processes (and the router in the test's own process), free ports, images, scripted worker
+processes (and the endpoint picker in the test's own process), free ports, images, scripted worker
 steps and the soak workload.
 
 No production module imports this package (tests/test_import_rules.py checks it).

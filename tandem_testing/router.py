@@ -1,5 +1,5 @@
-"""The router (``create_router``) and the endpoint picker (``create_epp``) run inside the
-test's own process, so a test can both call them and read their balancer."""
+"""The endpoint picker (``create_epp``) run inside the test's own process, so a test can
+both call it and read its balancer."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-import grpc
-
 from router_svc.epp_server import EppConfig, EppServer, create_epp
-from router_svc.server import RouterConfig, RouterServer, create_router
-from tandem.v1 import generate_pb2_grpc
 
 T = TypeVar("T")
 
@@ -59,32 +55,6 @@ class LoopThread(Generic[S]):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
-
-
-class RouterThread(LoopThread[RouterServer]):
-    """The router, with a channel to its gRPC port and its HTTP API's base URL."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__(create_router(config))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
-        # The OpenAI-compatible HTTP API's base URL ("" when ``config.http`` has no listen).
-        http = self.server.http
-        self.url = f"http://127.0.0.1:{http.port}" if http is not None else ""
-
-    def close(self) -> None:
-        self.channel.close()
-        super().close()
-
-
-@contextlib.contextmanager
-def running_router(config: RouterConfig) -> Iterator[RouterThread]:
-    """A ``RouterThread`` for the ``with`` block, stopped (grace 0) afterwards."""
-    running = RouterThread(config)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 @contextlib.contextmanager

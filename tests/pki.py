@@ -1,6 +1,6 @@
 """Test certificates made with ``cryptography``: a CA, a server certificate for
 localhost/127.0.0.1, a client certificate from the same CA and one from a rogue CA. Used by
-the security, router and chart tests."""
+the security, gateway and chart tests."""
 
 from __future__ import annotations
 

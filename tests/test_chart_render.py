@@ -388,7 +388,9 @@ def test_cells_mode_reaches_the_tandemservice(helm: dict) -> None:
     assert spec["image"]["pullSecrets"] == ["regcred"]
     assert spec["tls"] == {"secretName": "demo-tls", "clientCASecretName": "tenants-ca"}
     assert spec["worker"]["tensorParallelSize"] == 2
-    assert (spec["router"]["replicas"], spec["router"]["loadFactor"]) == (2, 1.5)
+    assert "router" not in spec
+    assert (spec["routing"]["envoy"]["replicas"], spec["routing"]["loadFactor"]) == (2, 1.5)
+    assert spec["routing"]["mode"] == "standalone"
 
 
 @pytest.mark.parametrize("values,volume,sub_path", [

@@ -76,3 +76,12 @@ def test_a_bad_model_directory_fails_serve_at_start_with_the_file_and_key(
     assert err.startswith("tandem serve: error: ") and "Traceback" not in err
     assert f"{model / 'config.json'}: key 'model_type' is 'mamba'" in err
     assert not list(shm.glob("*.sock")), "no worker was started"
+
+
+def test_the_removed_router_says_where_to_go(capsys: pytest.CaptureFixture[str]) -> None:
+    """Old scripts, with the router's flags, get one line and exit status 2."""
+    assert main(["router", "--cells", "a:1,b:2", "--load-factor", "1.5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "tandem router was removed in favour of `tandem gateway`" in captured.err
+    assert "docs/routing.md" in captured.err

@@ -72,10 +72,11 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _chart_values(host_root: Path, *sets: str) -> tuple[str, ...]:
     """The chart's values (`--set-json`) for a CPU cell on this machine: the images built here,
-    no GPU, no router (the Service reaches the scheduler), a small segment under `host_root`,
-    a 10 s grace (a stopped worker serves its scheduler's stream for up to the grace)."""
+    no GPU, one cell (nothing in front: the Service reaches the scheduler), a small segment
+    under `host_root`, a 10 s grace (a stopped worker serves its scheduler's stream for up
+    to the grace)."""
     return (f'image.tag="{TAG}"', 'service.worker.device="cpu"', "service.worker.gpu.count=0",
-            "service.router.enabled=false", f'service.featureCache.hostPath.root="{host_root}"',
+            f'service.featureCache.hostPath.root="{host_root}"',
             'service.featureCache.size="256Mi"', "service.shutdownGraceSeconds=10", *sets)
 
 

@@ -58,9 +58,6 @@ VIOLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "demo", {"tls": {"clientCASecretName": "tenants-ca"}}),
     "!has(self.autoSize) || !has(self.type) || self.type != 'none'": (
         "demo", {"featureCache": {"type": "none", "autoSize": {"min": "1Gi", "max": "4Gi"}}}),
-    "!has(self.routing) || !has(self.routing.mode) || self.routing.mode != 'standalone' "
-    "|| !has(self.tls) || !has(self.tls.secretName)": (
-        "demo", {"routing": {"mode": "standalone"}, "tls": {"secretName": "demo-tls"}}),
 }
 
 

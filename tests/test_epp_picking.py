@@ -1,5 +1,5 @@
-"""The endpoint picker's pure parts: cell entries, reading a buffered request into the
-router's routing key, the gateway's subset hint, and the balancer's subset and queue
+"""The endpoint picker's pure parts: cell entries, reading a buffered request into
+the routing key, the gateway's subset hint, and the balancer's subset and queue
 bound (router_svc/epp.py, router_svc/balancer.py)."""
 
 from __future__ import annotations

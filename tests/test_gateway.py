@@ -46,6 +46,7 @@ from router_svc.epp import (
 from router_svc.epp_server import READINESS, EppConfig
 from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
+from tandem.errors import error_info
 from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_cli.cli import main
@@ -570,6 +571,36 @@ def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Pa
                 assert stream(stub, request(TEXT, max_tokens=2))[2].usage.completion_tokens == 2
         finally:
             stop_envoy(proc)
+
+
+def test_errors_pass_through_with_their_status_and_error_info(gateway: Gateway) -> None:
+    """Moved from the removed router's tests: Envoy relays a cell's refusal unchanged."""
+    bad = request("Two markers <image> <image> but one image", [png(1)])
+    with pytest.raises(grpc.RpcError) as direct:
+        list(gateway.cells[gateway.owner(bad)].stub.Generate(bad, timeout=30))
+    with pytest.raises(grpc.RpcError) as routed:
+        list(gateway.stub.Generate(bad, timeout=30))
+    assert routed.value.code() == direct.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert routed.value.details() == direct.value.details()
+    routed_info, direct_info = error_info(routed.value), error_info(direct.value)
+    assert routed_info is not None and direct_info is not None
+    assert routed_info.reason == direct_info.reason
+
+
+def test_a_cancelled_call_frees_the_cells_blocks(gateway: Gateway) -> None:
+    """Moved from the removed router's tests: the client's cancel reaches the cell through
+    Envoy, which frees the request's KV blocks at once (400 tokens would take far longer)."""
+    long = request(PROMPT, [png(3)], max_tokens=400, ignore_eos=True, cache_salt="long")
+    cell = gateway.cells[gateway.owner(long)]
+
+    def all_free() -> bool:
+        stats = cell.stats()
+        return stats.kv_blocks_free == stats.kv_blocks_total
+    call = gateway.stub.Generate(long, timeout=120)
+    next(call)  # the cell is generating
+    assert not all_free()
+    call.cancel()
+    _wait(all_free, timeout=10)
 
 
 def test_a_killed_cell_fails_over_and_is_no_longer_picked(gateway: Gateway,

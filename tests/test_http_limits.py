@@ -1,9 +1,9 @@
-"""The HTTP edge's bounds, black-box against a real ``tandem serve`` cell (and the router in
-front of it): request bodies over the cap (declared or chunked) and oversize ``data:`` URIs
-get 413 before they are held, a request with too many image URLs gets 400 before any
-fetch, a request's remote images are fetched at once under one deadline and each within
-the cell's image limit, malformed or disguised image URLs are the client's error (400),
-never a 500 with a traceback, and the cell stays healthy with nothing held afterwards.
+"""The HTTP edge's bounds, black-box against a real ``tandem serve`` cell: request bodies
+over the cap (declared or chunked) and oversize ``data:`` URIs get 413 before they are
+held, a request with too many image URLs gets 400 before any fetch, a request's remote
+images are fetched at once under one deadline and each within the cell's image limit,
+malformed or disguised image URLs are the client's error (400), never a 500 with a
+traceback, and the cell stays healthy with nothing held afterwards.
 
 Remote images come from an HTTP server in this process on 127.0.0.1, which the cell may
 reach through ``--http-remote-image-allow-networks 127.0.0.1/32``; the server counts what
@@ -21,19 +21,14 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from router_svc.server import RouterConfig
-from tandem.openai_api.http_server import HttpConfig
-from tandem.openai_api.remote_images import RemoteImageLimits
 from tandem.request_limits import base64_length, max_http_body_bytes, max_message_bytes
 from tandem_testing.cells import Cell, free_port, png, running_cell
-from tandem_testing.router import running_router
 
 MODEL = "tiny"
 IMAGE = png(7)
@@ -108,7 +103,7 @@ def images() -> Iterator[ImageServer]:
 class Edge:
     cell: Cell
     log: Path
-    urls: dict[str, str]  # "cell" / "router" -> http://127.0.0.1:<port>
+    url: str  # http://127.0.0.1:<port>
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +115,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     with running_cell(tmp, "--http-listen", f"127.0.0.1:{port}", *remote,
                       "--max-images", str(MAX_IMAGES),
                       "--max-image-bytes", str(MAX_IMAGE_BYTES)) as cell:
-        config = RouterConfig(cells=(cell.target,), listen="127.0.0.1:0", health_interval=0.2,
-                              http=HttpConfig(
-                                  listen="127.0.0.1:0", allow_remote_images=True,
-                                  remote_images=RemoteImageLimits(
-                                      timeout_s=FETCH_TIMEOUT_S,
-                                      allow_networks=(ip_network("127.0.0.1/32"),))))
-        with running_router(config) as router:
-            yield Edge(cell, tmp / "cell.log",
-                       {"cell": f"http://127.0.0.1:{port}", "router": router.url})
+        yield Edge(cell, tmp / "cell.log", f"http://127.0.0.1:{port}")
 
 
 def _chat(urls: list[str], max_tokens: int = 2) -> dict[str, Any]:
@@ -188,27 +175,26 @@ REQUEST_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
                 b"Content-Type: application/json\r\n")
 
 
-@pytest.mark.parametrize("port", ["cell", "router"])
-def test_a_declared_oversize_body_is_refused_before_it_is_sent(edge: Edge, port: str) -> None:
+def test_a_declared_oversize_body_is_refused_before_it_is_sent(edge: Edge) -> None:
     """Content-Length over the cap: 413 at once, without waiting for (or holding) a byte
     of the 10 GiB body; the connection is closed."""
-    status, payload = _raw(edge.urls[port], REQUEST_HEAD + b"Content-Length: %d\r\n\r\n"
+    status, payload = _raw(edge.url, REQUEST_HEAD + b"Content-Length: %d\r\n\r\n"
                            % (10 * 2**30))
     assert status == 413
     error = json.loads(payload)["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
     assert "limit" in error["message"]
-    _healthy(edge, edge.urls[port])
+    _healthy(edge, edge.url)
 
 
 def test_a_client_that_sends_its_oversize_body_whole_reads_the_413(edge: Edge) -> None:
     """httpx (and the SDKs on it) sends the whole body before reading: the answer waits
     for it, the body read and dropped, rather than a reset connection."""
-    response = httpx.post(f"{edge.urls['cell']}/v1/chat/completions",
+    response = httpx.post(f"{edge.url}/v1/chat/completions",
                           content=b"x" * (BODY_CAP + 1),
                           headers={"content-type": "application/json"}, timeout=60)
     assert _error(response, 413)["code"] == "request_too_large"
-    _healthy(edge, edge.urls["cell"])
+    _healthy(edge, edge.url)
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_cap(edge: Edge) -> None:
@@ -217,10 +203,10 @@ def test_a_chunked_body_is_refused_once_it_passes_the_cap(edge: Edge) -> None:
     piece = b"x" * 65536
     pieces = BODY_CAP // len(piece) + 1
     chunks = (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(pieces))
-    status, payload = _raw(edge.urls["cell"], REQUEST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n",
+    status, payload = _raw(edge.url, REQUEST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n",
                            chunks)
     assert status == 413 and b"request_too_large" in payload
-    _healthy(edge, edge.urls["cell"])
+    _healthy(edge, edge.url)
 
 
 def test_a_body_within_the_cap_passes(edge: Edge) -> None:
@@ -229,37 +215,23 @@ def test_a_body_within_the_cap_passes(edge: Edge) -> None:
     assert len(at_limit.partition(",")[2]) == base64_length(MAX_IMAGE_BYTES)
     body = _chat([at_limit, at_limit])
     # they are not PNGs: the cell (not the edge) refuses them, after decoding
-    assert _error(_post(edge.urls["cell"], body), 400)["code"] == "image_corrupt"
+    assert _error(_post(edge.url, body), 400)["code"] == "image_corrupt"
 
 
-def test_a_request_over_the_cells_cap_is_too_large_through_the_router(edge: Edge) -> None:
-    """Under the router's cap but over its cell's: gRPC's own refusal of the message
-    reaches the client as 413 (as from the cell itself), never a 429 it would retry."""
-    body = {"model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "x" * (2 * BODY_CAP)}]}
-    for port in ("cell", "router"):
-        response = _post(edge.urls[port], body)
-        assert _error(response, 413)["code"] == "request_too_large", port
-        assert "retry-after" not in response.headers
-    _healthy(edge, edge.urls["router"])
-
-
-@pytest.mark.parametrize("port", ["cell", "router"])
-def test_an_oversize_data_uri_is_refused_before_it_is_decoded(edge: Edge, port: str) -> None:
+def test_an_oversize_data_uri_is_refused_before_it_is_decoded(edge: Edge) -> None:
     uri = "data:image/png;base64," + base64.b64encode(os.urandom(MAX_IMAGE_BYTES + 3)).decode()
-    error = _error(_post(edge.urls[port], _chat([uri])), 413)
+    error = _error(_post(edge.url, _chat([uri])), 413)
     assert error["code"] == "request_too_large"
     assert error["param"] == "messages[0].content[1].image_url.url"
     assert f"larger than {MAX_IMAGE_BYTES} bytes" in error["message"]
-    _healthy(edge, edge.urls[port])
+    _healthy(edge, edge.url)
 
 
-@pytest.mark.parametrize("port", ["cell", "router"])
-def test_too_many_image_urls_are_refused_before_any_fetch(edge: Edge, images: ImageServer,
-                                                          port: str) -> None:
+def test_too_many_image_urls_are_refused_before_any_fetch(edge: Edge,
+                                                          images: ImageServer) -> None:
     before = len(images.paths)
-    urls = [images.url(f"/img/{port}-{i}.png") for i in range(200)]
-    error = _error(_post(edge.urls[port], _chat(urls)), 400)
+    urls = [images.url(f"/img/{i}.png") for i in range(200)]
+    error = _error(_post(edge.url, _chat(urls)), 400)
     assert error["code"] == "too_many_images"
     assert error["message"] == f"200 images; the limit is {MAX_IMAGES} per request"
     assert images.paths[before:] == []  # not one fetch
@@ -267,7 +239,7 @@ def test_too_many_image_urls_are_refused_before_any_fetch(edge: Edge, images: Im
 
 def test_a_requests_images_are_fetched_at_once(edge: Edge, images: ImageServer) -> None:
     """Each /pair/ image is served only while the other is being fetched too."""
-    response = _post(edge.urls["cell"], _chat([images.url("/pair/a.png"),
+    response = _post(edge.url, _chat([images.url("/pair/a.png"),
                                                images.url("/pair/b.png")]))
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["tandem"]["mm_items"] == 2
@@ -277,19 +249,19 @@ def test_one_deadline_bounds_all_of_a_requests_fetches(edge: Edge, images: Image
     """Two slow images, served one after the other: each alone fits the deadline, both
     together do not, and the request fails at the deadline, not after both."""
     started = time.monotonic()
-    response = _post(edge.urls["cell"], _chat([images.url("/slow/a.png"),
+    response = _post(edge.url, _chat([images.url("/slow/a.png"),
                                                images.url("/slow/b.png")]))
     elapsed = time.monotonic() - started
     error = _error(response, 400)
     assert error["code"] == "remote_image_failed"
     assert f"longer than {FETCH_TIMEOUT_S} s" in error["message"]
     assert elapsed < 2 * STALL_S, f"answered after {elapsed:.1f} s"
-    _healthy(edge, edge.urls["cell"])
+    _healthy(edge, edge.url)
 
 
 def test_a_remote_image_over_the_cells_image_limit_stops_its_fetch(edge: Edge,
                                                                     images: ImageServer) -> None:
-    error = _error(_post(edge.urls["cell"], _chat([images.url("/big/a.png")])), 400)
+    error = _error(_post(edge.url, _chat([images.url("/big/a.png")])), 400)
     assert error["code"] == "remote_image_failed"
     assert error["message"] == f"the image is larger than {MAX_IMAGE_BYTES} bytes"
 
@@ -300,7 +272,7 @@ def test_a_remote_image_over_the_cells_image_limit_stops_its_fetch(edge: Edge,
 ])
 def test_a_malformed_image_url_is_the_clients_error(edge: Edge, url: str) -> None:
     """400 naming the fault, and no traceback in the cell's log (nothing went wrong there)."""
-    error = _error(_post(edge.urls["cell"], _chat([url])), 400)
+    error = _error(_post(edge.url, _chat([url])), 400)
     assert error["param"] == "messages"
     assert error["code"] in ("remote_image_refused", "remote_image_failed")
     assert "Traceback" not in edge.log.read_text()
@@ -316,6 +288,6 @@ def test_a_malformed_image_url_is_the_clients_error(edge: Edge, url: str) -> Non
 ])
 def test_ipv6_forms_of_private_ipv4_are_refused(edge: Edge, address: str) -> None:
     """Refused before any connection is tried (remote_image_refused, not a failed fetch)."""
-    error = _error(_post(edge.urls["cell"], _chat([f"http://[{address}]/latest/meta-data"])),
+    error = _error(_post(edge.url, _chat([f"http://[{address}]/latest/meta-data"])),
                    400)
     assert error["code"] == "remote_image_refused"

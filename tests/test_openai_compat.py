@@ -1,6 +1,6 @@
 """What an OpenAI SDK user meets (issue 22, items 12-15), black-box over HTTP with the real
 ``openai`` client (raw httpx for bodies the SDK would not send) against a ``tandem serve``
-cell started with ``--served-model-name``, and ``tandem router`` in front of it:
+cell started with ``--served-model-name``:
 
 * model names: the first served name is reported (``/v1/models``, gRPC GetModelInfo, every
   answer's ``model``), any of them is accepted, another gets 404 ``model_not_found``;
@@ -27,7 +27,6 @@ import pytest
 from engines import running_engine
 from workers import running_worker
 
-from router_svc.server import RouterConfig
 from scheduler_svc.http_backend import EngineBackend
 from scheduler_svc.servicer import logprobs_to_proto
 from tandem.openai_api import convert
@@ -39,12 +38,10 @@ from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from tandem_cli.cli import build_parser
 from tandem_testing.cells import Cell, free_port, running_cell
-from tandem_testing.router import RouterThread, running_router
 from tandem_testing.text_checkpoints import llama3_style_dir, qwen2_vl_dir
 from worker_svc.config import WorkerConfig
 
 NAMES = ("tiny-chat", "tiny-alias")
-ROUTER_NAMES = ("front", "front-2")
 REPLACEMENT = "\ufffd"
 
 
@@ -55,14 +52,6 @@ def cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cell, str]]
     with running_cell(tmp_path_factory.mktemp("compat"), "--http-listen", f"127.0.0.1:{port}",
                       "--served-model-name", *NAMES) as running:
         yield running, f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def router(cell: tuple[Cell, str]) -> Iterator[RouterThread]:
-    config = RouterConfig(cells=(cell[0].target,), listen="127.0.0.1:0", health_interval=0.2,
-                          http=HttpConfig(listen="127.0.0.1:0"), served_model_names=ROUTER_NAMES)
-    with running_router(config) as running:
-        yield running
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -97,21 +86,9 @@ def test_the_first_served_name_is_reported_and_every_name_is_accepted(cell) -> N
     assert "`tiny`" in error["message"] and "`tiny-chat`" in error["message"]
 
 
-def test_the_router_reports_its_own_served_names(router: RouterThread) -> None:
-    client = _client(router.url)
-    assert [m.id for m in client.models.list().data] == [ROUTER_NAMES[0]]
-    info = _model_info(router.channel)
-    assert info.model_id == ROUTER_NAMES[0]
-    assert list(info.served_model_names) == list(ROUTER_NAMES)
-    assert client.completions.create(model=ROUTER_NAMES[1], prompt="Hi",
-                                     max_tokens=2).model == ROUTER_NAMES[0]
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=2)
-
-
 def test_served_model_names_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_SERVED_MODEL_NAME", "org/model, short  other")
-    for command in ("serve", "scheduler", "router"):
+    for command in ("serve", "scheduler"):
         args = build_parser().parse_args([command])
         assert args.served_model_name == ["org/model", "short", "other"], command
     monkeypatch.delenv("TANDEM_SERVED_MODEL_NAME")

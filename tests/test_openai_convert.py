@@ -7,7 +7,6 @@ import asyncio
 import base64
 from collections.abc import AsyncIterator
 
-import grpc
 import httpx
 import pydantic
 import pytest
@@ -16,7 +15,6 @@ from tandem.errors import (
     HTTP_STATUS,
     InvalidInput,
     NotFound,
-    TandemError,
     Unavailable,
     http_error,
 )
@@ -209,18 +207,6 @@ def test_one_table_gives_grpc_and_http_their_status() -> None:
     assert http_error(Unavailable("down"))[0] == 503
     status, body = http_error(RuntimeError("secret internals /etc/passwd"))
     assert status == 500 and "secret" not in body["error"]["message"]
-    # a cell's status behind the router arrives as its code, message and reason
-    remote = TandemError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
-                                     "OVERLOADED")
-    assert remote.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert http_error(remote) == (429, {"error": {"message": "queue full",
-                                                  "type": "rate_limit_error", "param": None,
-                                                  "code": "overloaded"}})
-    # without a reason it is gRPC's own refusal of a message over the cell's cap: too large
-    too_large = TandemError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        "Received message larger than max", "")
-    assert too_large.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert http_error(too_large)[0] == 413
     assert all(400 <= status < 600 for status, _ in HTTP_STATUS.values())
 
 

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API with the real ``openai`` client (and curl, and raw httpx
-for what no SDK sends) against real ``tandem serve`` cells and ``tandem router`` in front
-of two of them: answers equal gRPC's, streaming, images, usage and cache figures, errors,
-client disconnects that release everything, traces and metrics.
+for what no SDK sends) against real ``tandem serve`` cells: answers equal gRPC's, streaming,
+images, usage and cache figures, errors, client disconnects that release everything, traces
+and metrics.
 
-The two cells start once for the module (in parallel); the router runs in this process on
-its own event-loop thread. The tiny built-in model's text is noise, but deterministic.
+The two cells start once for the module (in parallel). The tiny built-in model's text is
+noise, but deterministic.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import openai
 import pytest
 from pki import make_pki
 
-from router_svc.server import RouterConfig
-from tandem.openai_api.http_server import HttpConfig
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import (
     Cell,
@@ -39,7 +37,6 @@ from tandem_testing.cells import (
     running_cells,
     stop_process,
 )
-from tandem_testing.router import RouterThread, running_router
 
 MODEL = "tiny"
 IMAGE = png(7)
@@ -50,7 +47,7 @@ def data_uri(data: bytes) -> str:
 
 
 def _client(url: str) -> openai.OpenAI:
-    """The SDK against ``url`` (a cell's or the router's HTTP base)."""
+    """The SDK against ``url`` (a cell's HTTP base)."""
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -81,14 +78,6 @@ def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[HttpCell]]:
                         metrics)
                for i, (cell, (port, metrics, _)) in enumerate(zip(running, started,
                                                                    strict=True))]
-
-
-@pytest.fixture(scope="module")
-def router(cells: list[HttpCell]) -> Iterator[RouterThread]:
-    config = RouterConfig(cells=tuple(c.cell.target for c in cells), listen="127.0.0.1:0",
-                          health_interval=0.2, http=HttpConfig(listen="127.0.0.1:0"))
-    with running_router(config) as running:
-        yield running
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -126,11 +115,9 @@ def _grpc_chat(cell: Cell, text: str, image: bytes, max_tokens: int,
     return "".join(m.text for m in out), [p.token.logprob for m in out for p in m.logprobs]
 
 
-@pytest.mark.parametrize("via", ["cell", "router"])
-def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell], router: RouterThread,
-                                          via: str) -> None:
-    client = cells[0].client() if via == "cell" else _client(router.url)
-    text, image = f"What is in this picture ({via})?", png(11 if via == "cell" else 12)
+def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell]) -> None:
+    client = cells[0].client()
+    text, image = "What is in this picture?", png(11)
     whole = client.chat.completions.create(
         model=MODEL, messages=_messages(text, image), max_tokens=8, temperature=0,
         logprobs=True)
@@ -151,18 +138,15 @@ def test_chat_equals_grpc_streamed_or_not(cells: list[HttpCell], router: RouterT
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == 8
     assert usage.prompt_tokens == whole.usage.prompt_tokens
-    if via == "cell":  # the router may send the repeat to either cell
-        assert usage.prompt_tokens_details.cached_tokens > 0
-        tandem = usage.model_extra["tandem"]
-        [image] = tandem.pop("images")
-        assert tandem == {"mm_items": 1, "mm_cache_hits": 1, "encoder_runs": 0,
-                          "constraint": None}
-        assert (image["processor_cache"], image["transport"]) == ("hit", "shm")
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    tandem = usage.model_extra["tandem"]
+    [image] = tandem.pop("images")
+    assert tandem == {"mm_items": 1, "mm_cache_hits": 1, "encoder_runs": 0, "constraint": None}
+    assert (image["processor_cache"], image["transport"]) == ("hit", "shm")
 
 
-@pytest.mark.parametrize("via", ["cell", "router"])
-def test_completions_and_models(cells: list[HttpCell], router: RouterThread, via: str) -> None:
-    client = cells[1].client() if via == "cell" else _client(router.url)
+def test_completions_and_models(cells: list[HttpCell]) -> None:
+    client = cells[1].client()
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
                                       temperature=0, logprobs=2)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
@@ -201,10 +185,8 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
     return body["error"]
 
 
-@pytest.mark.parametrize("via", ["cell", "router"])
-def test_errors_are_openai_error_objects(cells: list[HttpCell], router: RouterThread,
-                                         via: str) -> None:
-    client = cells[0].client() if via == "cell" else _client(router.url)
+def test_errors_are_openai_error_objects(cells: list[HttpCell]) -> None:
+    client = cells[0].client()
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=_messages("x"), n=2)
     assert _error(caught.value)["param"] == "n"
@@ -226,7 +208,6 @@ def test_errors_are_openai_error_objects(cells: list[HttpCell], router: RouterTh
     assert _error(caught.value)["code"] == "bad_sampling"
 
 
-@pytest.mark.parametrize("via", ["cell", "router"])
 @pytest.mark.parametrize(("method", "path", "body", "status"), [
     ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [', 400),
     ("POST", "/v1/chat/completions", b"[1, 2]", 400),
@@ -238,11 +219,9 @@ def test_errors_are_openai_error_objects(cells: list[HttpCell], router: RouterTh
     ("POST", "/v1/models", b"", 405),
     ("GET", "/v1/engines", b"", 404),
 ])
-def test_bad_input_for_every_endpoint(cells: list[HttpCell], router: RouterThread, via: str,
-                                      method: str, path: str, body: bytes,
-                                      status: int) -> None:
-    url = cells[0].url if via == "cell" else router.url
-    reply = httpx.request(method, url + path, content=body, timeout=30,
+def test_bad_input_for_every_endpoint(cells: list[HttpCell], method: str, path: str,
+                                      body: bytes, status: int) -> None:
+    reply = httpx.request(method, cells[0].url + path, content=body, timeout=30,
                           headers={"content-type": "application/json"})
     assert reply.status_code == status
     error = reply.json()["error"]
@@ -250,12 +229,10 @@ def test_bad_input_for_every_endpoint(cells: list[HttpCell], router: RouterThrea
     assert _released(cells[0].cell)
 
 
-@pytest.mark.parametrize("via", ["cell", "router"])
-def test_a_disconnect_aborts_and_releases_everything(cells: list[HttpCell],
-                                                     router: RouterThread, via: str) -> None:
+def test_a_disconnect_aborts_and_releases_everything(cells: list[HttpCell]) -> None:
     """Mid-stream and while a non-streamed answer is still being generated."""
-    client = cells[0].client() if via == "cell" else _client(router.url)
-    long = {"model": MODEL, "messages": _messages("go on", png(31 if via == "cell" else 32)),
+    client = cells[0].client()
+    long = {"model": MODEL, "messages": _messages("go on", png(31)),
             "max_tokens": 1000, "extra_body": {"ignore_eos": True}, "temperature": 0}
     with client.chat.completions.create(**long, stream=True) as stream:
         for i, _ in enumerate(stream):

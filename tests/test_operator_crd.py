@@ -211,14 +211,13 @@ def test_model_fields_refused_by_the_structural_schema() -> None:
         assert errors and all(e.startswith(f"spec.model.{field}:") for e in errors), errors
 
 
-def test_tensor_parallelism_and_the_router_parse() -> None:
+def test_tensor_parallelism_and_the_routing_parse() -> None:
     spec = tandem_spec({"cells": 3, "worker": {"workersPerCell": 4, "tensorParallelSize": 2},
-                        "router": {"replicas": 2, "loadFactor": 1.5}})
-    assert spec.worker.tensor_parallel_size == 2 and spec.routed
-    assert (spec.router.replicas, spec.router.load_factor) == (2, 1.5)
-    assert spec.router.resources.requests == {"cpu": "250m", "memory": "256Mi"}
-    assert not tandem_spec({"cells": 1}).routed, "one cell needs no router"
-    assert not tandem_spec({"cells": 3, "router": {"enabled": False}}).routed
+                        "routing": {"loadFactor": 1.5, "envoy": {"replicas": 2}}})
+    assert spec.worker.tensor_parallel_size == 2 and spec.picked
+    assert (spec.routing.envoy.replicas, spec.routing.load_factor) == (2, 1.5)
+    assert spec.routing.envoy.resources.requests == {"cpu": "250m", "memory": "256Mi"}
+    assert not tandem_spec({"cells": 1}).picked, "one cell needs no picker"
     with pytest.raises(SpecError, match=r"multiple of worker\.tensorParallelSize"):
         tandem_spec({"worker": {"workersPerCell": 3, "tensorParallelSize": 2}})
 

@@ -19,6 +19,7 @@ from kube_emulator import KubeEmulator
 from kube_emulator.cel import rule_failures
 from kube_emulator.fixtures import CRD_PATH, GIE_CRD_PATH, REPO, tandem_spec
 from kube_emulator.schema import apply_defaults, load_crd, validation_errors, version_schema
+from pki import make_pki
 from test_chart_harness import (
     NAMESPACE,
     helm_fixture,  # noqa: F401 (registers the session fixture `helm`)
@@ -29,6 +30,7 @@ from test_chart_harness import (
 from router_svc.pool_watch import PoolSource
 from tandem_cli import cli
 from tandem_cli.gateway import envoy_binary
+from tandem_operator.front import cell_address
 from tandem_operator.gateway import (
     EPP_PORT,
     build_envoy_configmap,
@@ -47,8 +49,7 @@ from tandem_operator.kube import KubeApi
 from tandem_operator.manifests import HEALTH_PORT
 from tandem_operator.placement import Cell
 from tandem_operator.reconcile import Front, apply_services
-from tandem_operator.router import router_config
-from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.spec import parse_spec
 from tandem_operator.workloads import build_pod_template
 
 POOL_SCHEMA = version_schema(load_crd(GIE_CRD_PATH), "v1")
@@ -97,7 +98,7 @@ def test_the_charts_gateway_values_reach_the_pools_and_the_epp(helm: dict) -> No
     apply_defaults(load_crd(CRD_PATH)["spec"]["versions"][0]["schema"]["openAPIV3Schema"],
                    service)
     spec = parse_spec(service["metadata"]["name"], NAMESPACE, service["spec"])
-    assert not spec.routed and spec.routing.picked
+    assert spec.picked and spec.front == "scheduler"
     for pool in all_pools(spec):
         assert pool_problems(pool) == []
         assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
@@ -142,7 +143,8 @@ def epp_settings(data: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_tandem_epp_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = gateway({"router": {"loadFactor": 1.5}, "prefixCache": {"blockSize": 32}})
+    spec = gateway({"routing": {"mode": "gateway", "loadFactor": 1.5},
+                    "prefixCache": {"blockSize": 32}})
     data = build_epp_configmap(spec, CELLS)["data"]
     assert "TANDEM_EPP_CELLS" not in data  # gateway mode: the cells are the pools' pods
     config = epp_settings(data, monkeypatch)
@@ -151,10 +153,10 @@ def test_tandem_epp_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch)
     assert config.health_listen == f"0.0.0.0:{HEALTH_PORT}" and config.metrics_port == 9400
     no_http = build_epp_configmap(gateway({"http": {"enabled": False}}), CELLS)["data"]
     assert (no_http["TANDEM_EPP_POOL"], "TANDEM_EPP_HTTP_POOL" in no_http) == ("demo-grpc", False)
-    # Standalone mode renders no pool: the EPP is told the cells, as the router is.
+    # Standalone mode renders no pool: the EPP is told the recorded cells.
     data = build_epp_configmap(standalone(), CELLS)["data"]
-    routed = router_config(tandem_spec({"cells": 3}), CELLS)["TANDEM_ROUTER_CELLS"].split(",")
-    assert data["TANDEM_EPP_CELLS"].split(",") == [f"{a}/8000" for a in routed]
+    assert data["TANDEM_EPP_CELLS"].split(",") == [f"{cell_address(spec, c.index)}/8000"
+                                                   for c in CELLS]
     assert "TANDEM_EPP_POOL" not in data
     config = epp_settings(data, monkeypatch)
     assert [(c.host, c.grpc_port, c.http_port) for c in config.cells] == [
@@ -257,14 +259,58 @@ def test_standalone_envoy_knows_each_cell_by_its_pods_name() -> None:
     assert routes[1]["route"]["retry_policy"]["num_retries"] == 1  # two cells
 
 
-def test_standalone_with_tls_is_refused() -> None:
-    with pytest.raises(SpecError, match="standalone serves plaintext"):
-        tandem_spec({"routing": {"mode": "standalone"}, **TLS})
+def test_standalone_with_tls_serves_it_and_reaches_the_picker_over_it(tmp_path: Path) -> None:
+    """As every public port under `tls` (and as the removed router did): the listeners serve
+    the Secret's certificate and require the client CA's certificates; the picker and the
+    cells are reached over TLS. A real Envoy accepts it, with the Secrets' files where the
+    pod mounts them."""
+    spec = tandem_spec({"cells": 3, **TLS})
+    text = build_envoy_configmap(spec, CELLS)["data"]["envoy.json"]
+    bootstrap = json.loads(text)
+    for listener in bootstrap["static_resources"]["listeners"]:
+        [chain] = listener["filter_chains"]
+        tls = chain["transport_socket"]["typed_config"]
+        assert tls["require_client_certificate"]
+        context = tls["common_tls_context"]
+        assert context["tls_certificates"] == [{
+            "certificate_chain": {"filename": "/etc/tandem/tls/tls.crt"},
+            "private_key": {"filename": "/etc/tandem/tls/tls.key"}}]
+        assert context["validation_context"]["trusted_ca"] == {
+            "filename": "/etc/tandem/client-ca/ca.crt"}
+    [epp] = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "tandem-epp"]
+    upstream = epp["transport_socket"]["typed_config"]
+    assert upstream["sni"] == "demo-epp.serving.svc"
+    assert upstream["common_tls_context"]["validation_context"]["trusted_ca"] == {
+        "filename": "/etc/tandem/tls/ca.crt"}
+    # The cells too: they serve the same certificate and ask for the client CA's.
+    for cells in (c for c in bootstrap["static_resources"]["clusters"]
+                  if c["name"].startswith("tandem-cells")):
+        context = cells["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["validation_context"]["trusted_ca"] == {
+            "filename": "/etc/tandem/tls/ca.crt"}
+        assert context["tls_certificates"][0]["certificate_chain"] == {
+            "filename": "/etc/tandem/tls/tls.crt"}
+    pod = build_envoy_deployment(spec, CELLS)["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"tmp", "envoy", "tls", "client-ca"}
+    pki = make_pki(tmp_path)
+    files = {"/etc/tandem/tls/tls.crt": pki.server_cert, "/etc/tandem/tls/tls.key":
+             pki.server_key, "/etc/tandem/tls/ca.crt": pki.ca,
+             "/etc/tandem/client-ca/ca.crt": pki.ca}
+    for mounted, local in files.items():
+        text = text.replace(mounted, str(local))
+    path = tmp_path / "envoy.json"
+    path.write_text(text)
+    done = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plain = json.loads(build_envoy_configmap(standalone(), CELLS)["data"]["envoy.json"])
+    assert all("transport_socket" not in ls["filter_chains"][0]
+               for ls in plain["static_resources"]["listeners"])
 
 
 def test_the_routing_mode_decides_the_front() -> None:
-    assert tandem_spec({"cells": 3}).routing.mode == "router"
-    assert Front.wanted(tandem_spec({"cells": 3}), CELLS) == Front("router", (0, 1, 2))
+    assert tandem_spec({"cells": 3}).routing.mode == "standalone"
+    assert Front.wanted(tandem_spec({"cells": 3}), CELLS) == Front("envoy", (0, 1, 2))
     assert Front.wanted(gateway(), CELLS) == Front("scheduler", (0, 1, 2))
     assert Front.wanted(standalone(), CELLS) == Front("envoy", (0, 1, 2))
     assert Front.wanted(tandem_spec({"routing": {"mode": "gateway"}}), CELLS[:1]) == Front(
@@ -309,9 +355,22 @@ def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi)
         selected: str = service["spec"]["selector"]["app.kubernetes.io/component"]
         return selected
 
-    assert switch("router") == "router"
-    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
-                              "Service": services, "InferencePool": []}
+    # What an earlier operator version ran in front of the cells: gone on the first pass.
+    legacy = [{"apiVersion": api, "kind": kind, "metadata": {
+        "name": "demo-router", "namespace": "serving",
+        "labels": {"app.kubernetes.io/instance": "demo"}}, **extra}
+        for api, kind, extra in (("v1", "ConfigMap", {"data": {}}), ("apps/v1", "Deployment", {
+            "spec": {"selector": {"matchLabels": {"app": "r"}}, "template": {
+                "metadata": {"labels": {"app": "r"}},
+                "spec": {"containers": [{"name": "router", "image": "tandem"}]}}}}))]
+    for obj in legacy:
+        asyncio.run(kube.apply(obj))
+    assert children(kube)["Deployment"] == ["demo-router"]
+    assert switch("router") == "envoy", "the deprecated alias runs standalone"
+    standalone_children = {"Deployment": ["demo-envoy", "demo-epp"],
+                           "ConfigMap": ["demo-envoy", "demo-epp"],
+                           "Service": sorted([*services, "demo-epp"]), "InferencePool": []}
+    assert children(kube) == standalone_children
     assert switch("gateway") == "scheduler"
     assert children(kube) == {"Deployment": ["demo-epp"], "ConfigMap": ["demo-epp"],
                               "Service": sorted([*services, "demo-epp"]),
@@ -323,9 +382,7 @@ def test_switching_modes_applies_and_deletes_the_routing_children(kube: KubeApi)
     assert switch("standalone") == "envoy"
     assert not any(asyncio.run(kube.read(kind, "serving", "demo-epp"))
                    for kind in picker_account)
-    assert children(kube) == {"Deployment": ["demo-envoy", "demo-epp"],
-                              "ConfigMap": ["demo-envoy", "demo-epp"],
-                              "Service": sorted([*services, "demo-epp"]), "InferencePool": []}
-    assert switch("router") == "router"
-    assert children(kube) == {"Deployment": ["demo-router"], "ConfigMap": ["demo-router"],
-                              "Service": services, "InferencePool": []}
+    assert children(kube) == standalone_children
+    assert switch("standalone", {"cells": 1}) == "scheduler", "one cell: nothing in front"
+    assert children(kube) == {"Deployment": [], "ConfigMap": [], "Service": services,
+                              "InferencePool": []}

@@ -1,6 +1,7 @@
 """The real operator (`tandem_operator.main.run`, i.e. `tandem operator`, in a subprocess) against
 the API emulator over HTTP: create, resize, repair, scale-down, delete, the specs it cannot
-serve, three tensor-parallel cells behind the router, and cache sizing from a cell's
+serve, three tensor-parallel cells behind Envoy and the endpoint picker (a spec still
+naming the removed router), and cache sizing from a cell's
 CacheStats. Each test uses its own namespace and TandemService, so they do not depend on each
 other. A second emulator drops the CRD's CEL rules, as some apiservers do: there the
 operator's parser is the only check.
@@ -346,11 +347,14 @@ def test_without_cel_the_operator_refuses_every_rule_with_invalid_spec(
                  f"the Event of the permanent failure in {ns}")
 
 
-def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None:
+def test_three_tensor_parallel_cells_behind_envoy_and_the_picker(cluster: Cluster) -> None:
+    """Written as for the removed router (routing.mode router, spec.router): it serves as
+    standalone routing, and the operator says what to change in warning events."""
     ns, name = "theta", "svc"
     cluster.create(ns, name, {"cells": 3, "placement": {"maxCellsPerNode": 2},
                               "worker": {"workersPerCell": 2, "tensorParallelSize": 2,
-                                         "device": "cpu", "gpu": {"count": 0}}})
+                                         "device": "cpu", "gpu": {"count": 0}},
+                              "routing": {"mode": "router"}, "router": {"replicas": 2}})
     wait_for(lambda: is_ready(cluster, ns, name), "Ready")
     cells = cluster.get(ns, name)["status"]["cells"]
     assert len(cells) == 3 and all(c["workersReady"] == c["workersTotal"] == 2 for c in cells)
@@ -363,36 +367,45 @@ def test_three_tensor_parallel_cells_behind_the_router(cluster: Cluster) -> None
     workers_svc = cluster.core.read_namespaced_service("svc-workers", ns)
     assert workers_svc.spec.cluster_ip == "None" and workers_svc.spec.publish_not_ready_addresses
 
-    def router_cells() -> list[str]:
+    def picker_cells() -> list[str]:
         try:
-            data = cluster.core.read_namespaced_config_map("svc-router", ns).data
+            data = cluster.core.read_namespaced_config_map("svc-epp", ns).data
         except kubernetes.client.ApiException:
             return []
-        return [c.split(".")[0] for c in data["TANDEM_ROUTER_CELLS"].split(",")]
+        return [c.split(".")[0] for c in data["TANDEM_EPP_CELLS"].split(",")]
 
     def service_target() -> str:
         return str(cluster.core.read_namespaced_service("svc", ns).spec.selector[
             "app.kubernetes.io/component"])
-    assert router_cells() == [f"svc-{i}-scheduler-0" for i in range(3)]
-    wait_for(lambda: service_target() == "router", "the Service to point at the router")
-    router = cluster.apps.read_namespaced_deployment("svc-router", ns)
-    assert router.metadata.owner_references[0].kind == "TandemService"
-    assert router.spec.template.spec.containers[0].command == ["tandem", "router"]
-    hash3 = router.spec.template.metadata.annotations["tandem.dev/config-hash"]
+    assert picker_cells() == [f"svc-{i}-scheduler-0" for i in range(3)]
+    wait_for(lambda: service_target() == "envoy", "the Service to point at Envoy")
+    envoy = cluster.apps.read_namespaced_deployment("svc-envoy", ns)
+    assert envoy.metadata.owner_references[0].kind == "TandemService"
+    assert envoy.spec.template.spec.containers[0].command[0] == "envoy"
+    epp = cluster.apps.read_namespaced_deployment("svc-epp", ns)
+    assert epp.spec.template.spec.containers[0].command == ["tandem", "epp"]
+    hash3 = epp.spec.template.metadata.annotations["tandem.dev/config-hash"]
 
-    def router_hash() -> str:
-        deployment = cluster.apps.read_namespaced_deployment("svc-router", ns)
+    def warned() -> set[str]:
+        return {message.split(":")[0] for kind, reason, message in cluster.events(ns)
+                if (kind, reason) == ("Warning", "Deprecated")}
+    wait_for(lambda: warned() == {"routing.mode router is deprecated",
+                                  "spec.router is ignored since tandem router was removed"},
+             "a deprecation warning for the router's mode and for spec.router")
+
+    def picker_hash() -> str:
+        deployment = cluster.apps.read_namespaced_deployment("svc-epp", ns)
         return str(deployment.spec.template.metadata.annotations["tandem.dev/config-hash"])
     cluster.patch(ns, name, {"cells": 2})
     # The ConfigMap is applied before the Deployment: wait for both, not the first alone.
-    wait_for(lambda: router_cells() == ["svc-0-scheduler-0", "svc-1-scheduler-0"]
-             and router_hash() != hash3, "the router's cells and pods to follow the scale-down")
+    wait_for(lambda: picker_cells() == ["svc-0-scheduler-0", "svc-1-scheduler-0"]
+             and picker_hash() != hash3, "the picker's cells and pods to follow the scale-down")
 
     cluster.patch(ns, name, {"cells": 1})
     wait_for(lambda: service_target() == "scheduler", "the Service back on the scheduler")
     wait_for(lambda: not cluster.apps.list_namespaced_deployment(ns).items,
-             "the router to be removed with one cell left")
-    assert router_cells() == []
+             "Envoy and the picker to be removed with one cell left")
+    assert picker_cells() == []
 
 
 def test_a_refused_api_call_names_the_call(cluster: Cluster) -> None:

@@ -16,6 +16,13 @@ from kube_emulator.fixtures import tandem_spec
 
 from tandem.shutdown import DEFAULT_GRACE_S, STOP_MARGIN_S
 from tandem_cli.cli import build_parser
+from tandem_operator.gateway import (
+    build_envoy_configmap,
+    build_envoy_deployment,
+    build_epp_configmap,
+    build_epp_deployment,
+    build_epp_service,
+)
 from tandem_operator.manifests import (
     build_cleanup_job,
     build_configmap,
@@ -26,7 +33,6 @@ from tandem_operator.manifests import (
     endpoint,
 )
 from tandem_operator.placement import Cell
-from tandem_operator.router import build_router_configmap, build_router_deployment
 from tandem_operator.spec import MAX_CELLS, MAX_NAME_LENGTH
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
@@ -69,8 +75,9 @@ def every_manifest() -> list[dict[str, Any]]:
             build_service(spec),
             build_service(spec, headless=True), build_cleanup_job(spec, 1, "gpu-7"),
             build_cleanup_job(spec, 1, "gpu-7", generation=4), pod,
-            build_service(spec, front="router"), build_workers_service(spec),
-            build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
+            build_service(spec, front="envoy"), build_workers_service(spec),
+            build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
+            build_epp_service(spec), build_envoy_configmap(spec), build_envoy_deployment(spec)]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -112,12 +119,12 @@ def test_tracing_settings_only_when_an_endpoint_is_set() -> None:
     assert data["OTEL_TRACES_SAMPLER_ARG"] == "1"
 
 
-@pytest.mark.parametrize("component", ["scheduler", "worker", "router"])
+@pytest.mark.parametrize("component", ["scheduler", "worker", "epp"])
 def test_resource_attributes_name_pod_node_and_cell_through_the_downward_api(
         component: str) -> None:
     spec = tandem_spec({})
-    if component == "router":
-        pod = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    if component == "epp":
+        pod = build_epp_deployment(spec, [CELL])["spec"]["template"]["spec"]
     else:
         pod = build_pod_template(spec, CELL, component)["spec"]
     env = pod["containers"][0]["env"]
@@ -130,7 +137,7 @@ def test_resource_attributes_name_pod_node_and_cell_through_the_downward_api(
         "spec.nodeName")
     assert "k8s.pod.name=$(K8S_POD_NAME)" in attrs and "k8s.node.name=$(K8S_NODE_NAME)" in attrs
     assert f"k8s.namespace.name={spec.namespace}" in attrs
-    assert (f"tandem.cell={CELL.index}" in attrs) == (component != "router")
+    assert (f"tandem.cell={CELL.index}" in attrs) == (component != "epp")
 
 
 def test_scheduler_is_pinned_sized_probed_and_mounted() -> None:
@@ -341,8 +348,8 @@ def test_the_model_is_mounted_read_only_at_its_path_in_the_scheduler_and_every_w
         assert [m for m in c["volumeMounts"] if m["name"] == "model"] == [
             {"name": "model", "mountPath": "/models/q", "readOnly": True, **extra}]
         assert "model" not in [m["name"] for m in pod["initContainers"][0]["volumeMounts"]]
-    router = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
-    assert "model" not in [v["name"] for v in router["volumes"]], "the router loads no model"
+    epp = build_epp_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    assert "model" not in [v["name"] for v in epp["volumes"]], "the picker loads no model"
 
 
 def test_a_preset_or_a_directory_in_the_image_mounts_nothing() -> None:
@@ -365,13 +372,15 @@ def test_a_failed_start_leaves_its_last_log_lines_as_the_termination_message(
         assert c["terminationMessagePolicy"] == "FallbackToLogsOnError", c["name"]
 
 
-def test_router_and_cleanup_containers_are_locked_down() -> None:
+def test_picker_envoy_and_cleanup_containers_are_locked_down() -> None:
     spec = tandem_spec({"cells": 2})
-    router = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
-    [c] = router["containers"]
+    epp = build_epp_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    [c] = epp["containers"]
     assert c["securityContext"] == HARDENED
     assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
-    assert router["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+    assert epp["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+    [envoy] = build_envoy_deployment(spec)["spec"]["template"]["spec"]["containers"]
+    assert envoy["securityContext"] == HARDENED
     [rm] = build_cleanup_job(spec, 1, "gpu-7")["spec"]["template"]["spec"]["containers"]
     ctx = rm["securityContext"]  # root: the cell directory lies in a root-owned 0755 one
     assert ctx["runAsUser"] == 0 and ctx["readOnlyRootFilesystem"] is True
@@ -436,11 +445,12 @@ def name_problems(obj: dict[str, Any]) -> list[str]:
 
 
 def children(spec: Any, cell: Cell) -> list[dict[str, Any]]:
-    """Every object the operator makes for `cell`, the router and the Services included."""
+    """Every object the operator makes for `cell`, the routing and the Services included."""
     return [build_configmap(spec, cell), build_statefulset(spec, cell, "scheduler"),
             build_statefulset(spec, cell, "worker"), build_service(spec),
             build_service(spec, headless=True), build_workers_service(spec),
-            build_router_configmap(spec, [cell]), build_router_deployment(spec, [cell]),
+            build_epp_configmap(spec, [cell]), build_epp_deployment(spec, [cell]),
+            build_epp_service(spec), build_envoy_configmap(spec), build_envoy_deployment(spec),
             build_cleanup_job(spec, cell.index, cell.node),
             build_cleanup_job(spec, cell.index, cell.node, generation=10 ** 6)]
 
@@ -468,10 +478,10 @@ def test_the_shutdown_grace_reaches_every_process_and_its_pod(patch: dict, grace
     spec = tandem_spec({"cells": 2, **patch})
     pods = {component: build_pod_template(spec, CELL, component)["spec"]
             for component in ("scheduler", "worker")}
-    pods["router"] = build_router_deployment(spec, [CELL])["spec"]["template"]["spec"]
+    pods["epp"] = build_epp_deployment(spec, [CELL])["spec"]["template"]["spec"]
     processes = {role: float(env_of(pod["containers"][0])["TANDEM_SHUTDOWN_GRACE"])
                  for role, pod in pods.items()}
-    assert processes["scheduler"] == processes["router"] == grace
+    assert processes["scheduler"] == processes["epp"] == grace
     assert processes["worker"] == grace + STOP_MARGIN_S
     for role, pod in pods.items():
         assert pod["terminationGracePeriodSeconds"] >= processes[role] + STOP_MARGIN_S, role

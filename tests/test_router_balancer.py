@@ -1,4 +1,5 @@
-"""The router's pure parts: ring, bounded-load balancer, routing key, stats aggregation."""
+"""The picking's pure parts (router_svc): ring, bounded-load balancer, routing key, stats
+aggregation."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _place(b: Balancer, keys=KEYS) -> dict[bytes, str]:
 
 
 def test_walk_is_a_stable_permutation_and_shares_are_even() -> None:
-    # Any router replica given the same cells, in any order, routes the same way.
+    # Any picker replica given the same cells, in any order, routes the same way.
     ring, again = HashRing(CELLS), HashRing(CELLS[::-1])
     ring.check_invariants()
     for k in KEYS[:200]:

@@ -1,8 +1,7 @@
 """Security of a local cell, with real processes: mutual TLS on the public port (and the
-plaintext health-only port for probes), a mutual-TLS router in front of the cell, private
-files in the shared directory, refusal of an unsafe shared directory, tenant isolation by
-``cache_salt`` in the prefix and processor caches, and one client's reused image uuid not
-failing other clients' requests.
+plaintext health-only port for probes), private files in the shared directory, refusal of
+an unsafe shared directory, tenant isolation by ``cache_salt`` in the prefix and processor
+caches, and one client's reused image uuid not failing other clients' requests.
 
 Certificates come from ``pki.make_pki``: a CA, a server certificate for localhost/127.0.0.1,
 a client certificate from the same CA and one from a rogue CA.
@@ -204,17 +203,6 @@ def test_bad_tls_settings_are_refused(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _router(tmp: Path, name: str, **settings: str) -> Iterator[tuple[int, int]]:
-    """``tandem router`` configured by TANDEM_* variables only; yields (port, health port)
-    once its first round of cell checks is done."""
-    port, health_port = free_port(), free_port()
-    with _command(tmp, name, "router", TANDEM_LISTEN=f"127.0.0.1:{port}",
-                  TANDEM_HEALTH_LISTEN=f"127.0.0.1:{health_port}",
-                  TANDEM_ROUTER_HEALTH_INTERVAL="0.2", **settings):
-        yield port, health_port
-
-
-@contextlib.contextmanager
 def _command(tmp: Path, name: str, command: str, **settings: str) -> Iterator[None]:
     """``tandem COMMAND`` configured by TANDEM_* variables only, until the ``with`` ends
     (then SIGTERM, and a clean exit); entered once it says it is listening."""
@@ -232,36 +220,6 @@ def _command(tmp: Path, name: str, command: str, **settings: str) -> Iterator[No
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log_path.read_text()
-
-
-def _health_status(port: int) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=10).status
-
-
-def test_mutual_tls_router_in_front_of_a_mutual_tls_cell(tls_cell: TlsCell) -> None:
-    pki, tmp = tls_cell.pki, tls_cell.tmp
-    serving = {"TANDEM_TLS_CERT": str(pki.server_cert), "TANDEM_TLS_KEY": str(pki.server_key),
-               "TANDEM_TLS_CLIENT_CA": str(pki.ca)}
-    with _router(tmp, "router", TANDEM_ROUTER_CELLS=tls_cell.cell.target, **serving,
-                 TANDEM_ROUTER_CELL_TLS_CA=str(pki.ca),
-                 TANDEM_ROUTER_CELL_TLS_CERT=str(pki.client_cert),
-                 TANDEM_ROUTER_CELL_TLS_KEY=str(pki.client_key)) as (port, health_port):
-        assert _health_status(health_port) == health_pb2.HealthCheckResponse.SERVING
-        target = f"127.0.0.1:{port}"
-        assert _call(target, pki.client(pki.client_cert, pki.client_key)) == "OK"
-        assert _call(target, None) == "UNAVAILABLE", "plaintext is refused"
-        assert _call(target, pki.client()) == "UNAVAILABLE", "no client certificate"
-        assert _call(f"127.0.0.1:{health_port}", None) == "UNIMPLEMENTED", "health only"
-        with grpc.secure_channel(target, pki.client(pki.client_cert, pki.client_key)) as ch:
-            out = list(generate_pb2_grpc.GenerationStub(ch).Generate(
-                request("Routed over TLS <image>", [png(3)], max_tokens=3), timeout=60))
-        assert sum(len(m.token_ids) for m in out) == 3
-    # Without a client certificate the cell refuses the router: its cell is down.
-    with _router(tmp, "router-no-cert", TANDEM_ROUTER_CELLS=tls_cell.cell.target,
-                 TANDEM_ROUTER_CELL_TLS_CA=str(pki.ca)) as (_, health_port):
-        assert _health_status(health_port) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_the_gateway_reaches_a_mutual_tls_cell(tls_cell: TlsCell) -> None:

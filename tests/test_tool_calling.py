@@ -10,7 +10,7 @@
   function yield parsed calls whose arguments satisfy the function's schema (the grammar
   guarantees it, whatever the weights), streamed as OpenAI streams them, ``finish_reason``
   ``tool_calls``; ``auto`` and ``none``; a conversation with calls and results; bad
-  requests are 400 with the field at fault; the router's HTTP port in front of the cell.
+  requests are 400 with the field at fault.
 * ``parallel_tool_calls: false`` with ``auto``: of two calls the model wrote, the first is
   returned, whole and streamed.
 """
@@ -31,9 +31,7 @@ import openai
 import pytest
 from hf_checkpoints import reference, save
 
-from router_svc.server import RouterConfig
 from tandem.openai_api import convert, schema
-from tandem.openai_api.http_server import HttpConfig
 from tandem.openai_api.tool_calls import (
     PARSERS,
     ToolCallParser,
@@ -45,7 +43,6 @@ from tandem.structured import Constraint, GuidanceBackend
 from tandem.text import ChatMessage, TextPart, ToolCall, load_tokenizer
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, free_port, running_cell
-from tandem_testing.router import running_router
 from tandem_testing.text_checkpoints import qwen2_5_dir, reference_tokenizer
 
 WEATHER = {"type": "object", "properties": {
@@ -264,20 +261,6 @@ def test_a_named_function_streams_as_openai_streams_calls(url: str) -> None:
     assert rest and all(d.index == 0 and d.id is None and d.function.name is None
                         for d in rest), "later deltas carry argument fragments only"
     _check_call("get_time", "".join(d.function.arguments or "" for d in deltas))
-
-
-def test_the_router_serves_tool_calls_too(served: tuple[Cell, str]) -> None:
-    """The router's HTTP port: tools cross gRPC to the cell, the parser comes from the
-    cell's GetModelInfo."""
-    config = RouterConfig(cells=(served[0].target,), listen="127.0.0.1:0",
-                          health_interval=0.2, http=HttpConfig(listen="127.0.0.1:0"))
-    with running_router(config) as router:
-        answer = _client(router.url).chat.completions.create(
-            model=_model(router.url), messages=USER, tools=TOOLS, max_tokens=120, seed=4,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    (call,) = answer.choices[0].message.tool_calls
-    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-    _check_call(call.function.name, call.function.arguments)
 
 
 def test_auto_and_none(url: str) -> None:

@@ -3,7 +3,7 @@
 The operator dials the scheduler pod's IP (what it knows from its pod index, and what
 resolves without cluster DNS) on `scheduler.port`. Under `tls` it trusts the CA of the
 cell's certificate (ca.crt of `tls.secretName`), presents that certificate too when the
-cells require client certificates (as the router does), and checks the name the
+cells require client certificates (as the endpoint picker does), and checks the name the
 certificate carries for the cell: the Service's with one cell, the pod's headless name
 with several.
 """

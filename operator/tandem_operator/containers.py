@@ -1,5 +1,5 @@
-"""Pure builders for what every Tandem pod shares, so the scheduler, worker and router
-containers (workloads.py, router.py) and the root tasks on a node's segment directory (the
+"""Pure builders for what every Tandem pod shares, so the scheduler, worker and endpoint
+picker containers (workloads.py, gateway.py) and the root tasks on a node's segment directory (the
 prepare-segment init container, the cleanup Job) are each written once.
 
 A serving container (`tandem <role>`) reads its TANDEM_* settings from one ConfigMap, runs as
@@ -39,14 +39,14 @@ class ServingContainer:
     `env` and `user_env`, and the health port after the public one.
     """
 
-    role: str  # scheduler | worker | router | epp: the container's name and `tandem <role>`
+    role: str  # scheduler | worker | epp: the container's name and `tandem <role>`
     image: str
     config_map: str  # the ConfigMap of its TANDEM_* settings (envFrom)
     resources: Mapping[str, Any]  # requests and limits, as container_resources() builds them
     mounts: Sequence[Mapping[str, Any]]  # every volume mount, SCRATCH_MOUNT included
     ready_service: str  # grpc.health.v1 service its readiness asks for ("" = overall)
     live_service: str = ""  # the service its startup and liveness probes ask for
-    public_port: bool = False  # serves Generate on spec.scheduler.port (scheduler, router)
+    public_port: bool = False  # serves Generate on spec.scheduler.port (the scheduler)
     metrics_port: int | None = None  # its Prometheus port, when it has one
     own_ports: Sequence[Mapping[str, Any]] = ()  # ports of its own (the EPP's ext_proc)
     env: Sequence[Mapping[str, Any]] = ()  # its own variables
@@ -139,7 +139,7 @@ def termination_grace(spec: TandemSpec, role: str) -> int:
 
 
 def serving_container(spec: TandemSpec, c: ServingContainer) -> dict[str, Any]:
-    """The scheduler, a worker or the router container."""
+    """The scheduler, a worker or the endpoint picker container."""
     ports = [{"name": "grpc", "containerPort": spec.scheduler.port, "protocol": "TCP"}
              ] if c.public_port else []
     if c.public_port and spec.http.enabled:

@@ -83,6 +83,16 @@ class UpstreamTls:
 
 
 @dataclass(frozen=True)
+class ListenerTls:
+    """TLS on Envoy's listener: ``cert`` + ``key`` (PEM file paths) serve it; ``client_ca``
+    (PEM; empty = none) makes clients present a certificate it signed (mutual TLS)."""
+
+    cert: str
+    key: str
+    client_ca: str = ""
+
+
+@dataclass(frozen=True)
 class EnvoyCell:
     """One cell as Envoy reaches it: ``host`` (IP, or a DNS name Envoy resolves, which must
     resolve to the address the EPP names) at ``grpc_port`` for gRPC and ``http_port`` for
@@ -98,6 +108,7 @@ class EnvoyCell:
 def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_port: int,
                     cells: Sequence[EnvoyCell], failure_mode_allow: bool = False,
                     epp_tls: UpstreamTls | None = None, cell_tls: UpstreamTls | None = None,
+                    listener_tls: ListenerTls | None = None,
                     listen_address: str = "0.0.0.0", admin_address: str = "127.0.0.1",
                     epp_timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
                     ) -> dict[str, Any]:
@@ -106,7 +117,8 @@ def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_
     ``epp_address`` may be an IP or a DNS name (resolved by Envoy, STRICT_DNS);
     ``epp_timeout_s`` bounds the ext_proc stream's setup and each message. ``cells`` are
     every cell the EPP may pick (a destination outside them is not reached: the request
-    goes round robin instead); ``cell_tls``: Envoy reaches them over TLS.
+    goes round robin instead); ``cell_tls``: Envoy reaches them over TLS; ``listener_tls``
+    (None = plaintext) serves the listener over TLS, ALPN h2 and http/1.1.
 
     ``failure_mode_allow`` (fail-open): when the EPP is down, requests go on without a
     picked destination, round robin over the cells, without affinity. Fail-closed (the
@@ -129,7 +141,7 @@ def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_
         "admin": {"address": _socket(admin_address, admin_port)},
         "static_resources": {
             "listeners": [_listener(listen_address, listen_port, failure_mode_allow,
-                                    epp_timeout_s, protocols, len(cells))],
+                                    epp_timeout_s, protocols, len(cells), listener_tls)],
             "clusters": clusters,
         },
     }
@@ -144,8 +156,8 @@ def _duration(seconds: float) -> str:
 
 
 def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: float,
-              protocols: Sequence[tuple[dict[str, Any], str]],
-              cell_count: int) -> dict[str, Any]:
+              protocols: Sequence[tuple[dict[str, Any], str]], cell_count: int,
+              tls: ListenerTls | None) -> dict[str, Any]:
     # The EPP's answer clears the route cache, so the picked routes are chosen once it set
     # the destination. Without one (fail-open with the EPP down) a request goes round robin
     # (the cell clusters' fallback policy), or, fail-closed, gets 503.
@@ -189,11 +201,29 @@ def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: 
             "typed_config": {"@type": f"{_TYPES}.filters.http.router.v3.Router"},
         }],
     }
+    chain: dict[str, Any] = {"filters": [{
+        "name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+    if tls is not None:
+        chain["transport_socket"] = _listener_tls(tls)
+    return {"name": "tandem", "address": _socket(address, port), "filter_chains": [chain]}
+
+
+def _listener_tls(tls: ListenerTls) -> dict[str, Any]:
+    # Both ALPN protocols: gRPC clients ask for h2, the OpenAI API's for http/1.1.
+    context: dict[str, Any] = {
+        "alpn_protocols": ["h2", "http/1.1"],
+        "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
+                              "private_key": {"filename": tls.key}}],
+    }
+    if tls.client_ca:
+        context["validation_context"] = {"trusted_ca": {"filename": tls.client_ca}}
     return {
-        "name": "tandem",
-        "address": _socket(address, port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}],
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": bool(tls.client_ca),
+            "common_tls_context": context,
+        },
     }
 
 

@@ -12,15 +12,16 @@ pools select, so it never rolls when cells come, go or move. It watches with a
 ServiceAccount of its own, whose Role may list and watch pods and InferencePools in the
 namespace, nothing else.
 
-Standalone mode (no such gateway in the cluster, so no pools): the same EPP, told the cells
-as the router is (every recorded cell, by its scheduler pod's DNS name: it rolls on a change
-in the number of cells, never on placement), and an Envoy Deployment of the operator's in
-place of the router, configured by envoy.py's bootstrap builder; the Service moves to Envoy
-once it is available, as it moves to the router.
+Standalone mode (no such gateway in the cluster, so no pools; the default): the same EPP,
+told the cells (every recorded cell, by its scheduler pod's DNS name, front.py: it rolls on
+a change in the number of cells, never on placement), and an Envoy Deployment of the
+operator's, configured by envoy.py's bootstrap builder; the Service moves to Envoy once it
+is available.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -36,9 +37,17 @@ from tandem_operator.containers import (
     serving_container,
     serving_pod_spec,
 )
-from tandem_operator.envoy import EnvoyCell, envoy_bootstrap
+from tandem_operator.envoy import EnvoyCell, ListenerTls, UpstreamTls, envoy_bootstrap
+from tandem_operator.front import (
+    build_front_deployment,
+    build_settings_configmap,
+    cell_address,
+    cell_tls_config,
+)
 from tandem_operator.manifests import (
+    CLIENT_CA_DIR,
     SCHEDULER_METRICS_PORT,
+    TLS_DIR,
     labels,
     selector_labels,
     tls_config,
@@ -46,12 +55,6 @@ from tandem_operator.manifests import (
     tracing_config,
 )
 from tandem_operator.placement import Cell
-from tandem_operator.router import (
-    build_front_deployment,
-    build_settings_configmap,
-    cell_address,
-    cell_tls_config,
-)
 from tandem_operator.spec import TandemSpec
 
 POOL_API = "inference.networking.k8s.io/v1"
@@ -108,8 +111,8 @@ def build_inference_pool(spec: TandemSpec, name: str, app_protocol: str,
 
 
 def epp_cells(spec: TandemSpec, cells: Sequence[Cell]) -> str:
-    """TANDEM_EPP_CELLS: the router's cell addresses (`host:grpc_port`), with `/http_port`
-    when the cells serve HTTP."""
+    """TANDEM_EPP_CELLS: the cells' addresses (`host:grpc_port`), with `/http_port` when
+    they serve HTTP."""
     suffix = f"/{spec.http.port}" if spec.http.enabled else ""
     return ",".join(cell_address(spec, c.index) + suffix for c in cells)
 
@@ -127,16 +130,17 @@ def epp_endpoints(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
 
 def epp_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     """`tandem epp`'s TANDEM_* settings (docs/configuration.md): its cells' source, the
-    router's picking settings under the EPP's names, ext_proc on EPP_PORT (TLS with the
-    service's certificate, as every public port), health on the plaintext health port."""
+    picking settings (routing.loadFactor, the cells' block size), ext_proc on EPP_PORT (TLS
+    with the service's certificate, as every public port), health on the plaintext health
+    port."""
     return epp_endpoints(spec, cells) | {
         "TANDEM_LISTEN": f"0.0.0.0:{EPP_PORT}",
         "TANDEM_HEALTH_LISTEN": f"0.0.0.0:{HEALTH_PORT}",
         "TANDEM_METRICS_PORT": str(SCHEDULER_METRICS_PORT),
-        "TANDEM_EPP_LOAD_FACTOR": str(spec.router.load_factor),
+        "TANDEM_EPP_LOAD_FACTOR": str(spec.routing.load_factor),
         "TANDEM_BLOCK_SIZE": str(spec.block_size),
         "OTEL_SERVICE_NAME": "tandem-epp",
-    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec, "EPP")
+    } | tracing_config(spec) | tls_config(spec) | cell_tls_config(spec)
 
 
 def build_epp_configmap(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
@@ -219,16 +223,28 @@ def envoy_config(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, str]:
     """The Envoy of standalone routing: its bootstrap (envoy.py's builder) as a file.
 
     One listener per port of the Service, so that the Service's named ports (`grpc`, `http`)
-    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service,
-    in plaintext: standalone routing is refused with spec.tls (spec.py), as the bootstrap
-    has no TLS listener. It knows every recorded cell (as the EPP does, so it rolls with
-    the EPP on a change in their number): the EPP's pick, the fallbacks a failed request
-    is retried on, and, fail-open, the round robin while the EPP is down.
+    land on Envoy as they land on the schedulers. Envoy reaches the EPP through its Service.
+    With `tls`, as every public port: the listeners serve the Secret's certificate (and ask
+    for client certificates of the client CA), and Envoy reaches the EPP and the cells over
+    TLS, trusting the Secret's CA and presenting its certificate when they ask for one. It
+    knows every recorded cell (as the EPP does, so it rolls with the EPP on a change in
+    their number): the EPP's pick, the fallbacks a failed request is retried on, and,
+    fail-open, the round robin while the EPP is down.
     """
     epp = f"{epp_name(spec)}.{spec.namespace}.svc"
     ports = [spec.scheduler.port, *([spec.http.port] if spec.http.enabled else [])]
+    listener_tls = epp_tls = cell_tls = None
+    if spec.tls.enabled:
+        mutual = bool(spec.tls.client_ca_secret_name)
+        listener_tls = ListenerTls(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key",
+                                   f"{CLIENT_CA_DIR}/ca.crt" if mutual else "")
+        cell_tls = UpstreamTls(ca=f"{TLS_DIR}/ca.crt",
+                               cert=f"{TLS_DIR}/tls.crt" if mutual else "",
+                               key=f"{TLS_DIR}/tls.key" if mutual else "")
+        epp_tls = dataclasses.replace(cell_tls, sni=epp)
     bootstraps = [envoy_bootstrap(
         listen_port=port, epp_address=epp, epp_port=EPP_PORT, admin_port=ENVOY_ADMIN_PORT,
+        listener_tls=listener_tls, epp_tls=epp_tls, cell_tls=cell_tls,
         failure_mode_allow=spec.routing.failure_mode == "FailOpen",
         cells=envoy_cells(spec, cells))
         for port in ports]
@@ -258,7 +274,7 @@ def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
         "ports": ports,
         "resources": container_resources(spec.routing.envoy.resources, {}),
         "volumeMounts": [SCRATCH_MOUNT, {"name": "envoy", "mountPath": ENVOY_DIR,
-                                         "readOnly": True}],
+                                         "readOnly": True}, *tls_volumes(spec)[1]],
         "securityContext": container_security(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "readinessProbe": probe | {"periodSeconds": 5, "failureThreshold": 3},
@@ -267,7 +283,8 @@ def _envoy_container(spec: TandemSpec) -> dict[str, Any]:
 
 
 def build_envoy_deployment(spec: TandemSpec, cells: Sequence[Cell]) -> dict[str, Any]:
-    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}}]
+    volumes = [scratch_volume(), {"name": "envoy", "configMap": {"name": envoy_name(spec)}},
+               *tls_volumes(spec)[0]]
     pod_spec = serving_pod_spec(spec, "envoy", [_envoy_container(spec)], volumes)
     return build_front_deployment(spec, envoy_name(spec), "envoy", spec.routing.envoy.replicas,
                                   pod_spec, envoy_config(spec, cells))

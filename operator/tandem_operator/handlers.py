@@ -1,8 +1,8 @@
 """The kopf handlers: one decorator, one small function, each a guard and a delegation.
 
 - resume/create/update(spec) `reconcile`: place the cells, then one sub-handler per cell
-  (`cell-<i>`, rolled one at a time), `services` (and the routing: router, endpoint picker,
-  pools, Envoy) and `prune` (scale-down).
+  (`cell-<i>`, rolled one at a time), `services` (and the routing: endpoint picker, pools,
+  Envoy) and `prune` (scale-down).
 - timer `observe`: repair colocation and publish the level-based status.
 - timer `watch_caches`: read the cells' CacheStats, judge cache sizes and leaking references,
   apply autoSize (cache_watch.py).
@@ -202,9 +202,12 @@ async def apply_cell_handler(index: int, name: str, namespace: str, spec: kopf.S
 
 async def services_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,
                            memo: kopf.Memo, **_: Any) -> None:
-    """Sub-handler `services`: the Services and the routing over the recorded cells."""
-    await apply_front(memo["kube"], body, parse_spec(name, namespace, spec),
-                      memo["tandem_state"])
+    """Sub-handler `services`: the Services and the routing over the recorded cells; a
+    warning event for each deprecated field (the removed router's) on every spec change."""
+    tsvc = parse_spec(name, namespace, spec)
+    for message in tsvc.deprecations:
+        kopf.warn(body, reason="Deprecated", message=message)
+    await apply_front(memo["kube"], body, tsvc, memo["tandem_state"])
 
 
 async def prune_handler(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body,

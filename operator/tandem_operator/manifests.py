@@ -118,14 +118,13 @@ def cell_config(spec: TandemSpec, cell: Cell) -> dict[str, str]:
 
 def served_names_config(spec: TandemSpec) -> dict[str, str]:
     """TANDEM_SERVED_MODEL_NAME of the schedulers (workers ignore it), when the spec names
-    the model; empty otherwise, so such cells' hash stays as it was. The router reports and
-    accepts its cells' names."""
+    the model; empty otherwise, so such cells' hash stays as it was."""
     names = spec.model.served_names
     return {"TANDEM_SERVED_MODEL_NAME": ",".join(names)} if names else {}
 
 
 def http_config(spec: TandemSpec) -> dict[str, str]:
-    """TANDEM_HTTP_LISTEN of the schedulers and the router (workers ignore it); empty when
+    """TANDEM_HTTP_LISTEN of the schedulers (workers ignore it); empty when
     the HTTP API is off, so such cells' hash stays as it was."""
     return {"TANDEM_HTTP_LISTEN": f"0.0.0.0:{spec.http.port}"} if spec.http.enabled else {}
 
@@ -153,7 +152,7 @@ def tls_config(spec: TandemSpec) -> dict[str, str]:
 
 
 def tls_volumes(spec: TandemSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The TLS Secrets as read-only volumes, and their mounts (scheduler and router).
+    """The TLS Secrets as read-only volumes, and their mounts (scheduler and endpoint picker).
 
     Mode 0444: the pods' user reads them without an fsGroup (which would re-own every
     volume of the pod, the model's claim included) and nothing in the pod can write them.
@@ -202,10 +201,10 @@ def build_configmap(spec: TandemSpec, cell: Cell) -> dict[str, Any]:
 def build_service(spec: TandemSpec, headless: bool = False, front: str = "scheduler",
                   ) -> dict[str, Any]:
     """Generate for clients: across all cells' schedulers, or through the `front` component
-    (router, Envoy: the caller names it once it is available; its pods name their ports
-    `grpc` and `http` too). The headless twin always lists the scheduler pods: clients that
-    balance on their own (gRPC `round_robin` over `dns:///<name>-headless`), the router and the
-    endpoint picker reach the cells through it."""
+    (Envoy: the caller names it once it is available; its pods name their ports `grpc` and
+    `http` too). The headless twin always lists the scheduler pods: clients that balance on
+    their own (gRPC `round_robin` over `dns:///<name>-headless`), the endpoint picker and
+    fail-open Envoy reach the cells through it."""
     target = "scheduler" if headless else front
     svc_spec: dict[str, Any] = {
         "selector": selector_labels(spec, target),

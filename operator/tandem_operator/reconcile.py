@@ -23,6 +23,7 @@ from tandem_operator.conditions import (
     observe_cell,
     render_conditions,
 )
+from tandem_operator.front import LEGACY_ROUTER_SUFFIX, front_available
 from tandem_operator.gateway import (
     GRPC_POOL,
     HTTP_POOL,
@@ -58,31 +59,24 @@ from tandem_operator.manifests import (
     scale_selector,
 )
 from tandem_operator.placement import INSTANCE_LABEL, Cell, NodeInfo, PodLoad, place_cells
-from tandem_operator.router import (
-    build_router_configmap,
-    build_router_deployment,
-    front_available,
-    router_name,
-)
 from tandem_operator.spec import TandemSpec
 from tandem_operator.workloads import build_pod_template, build_statefulset
 
 # The Deployment of each component a Service may front the cells with (TandemSpec.front).
-FRONT_NAMES: dict[str, Callable[[TandemSpec], str]] = {"router": router_name,
-                                                        "envoy": envoy_name}
+FRONT_NAMES: dict[str, Callable[[TandemSpec], str]] = {"envoy": envoy_name}
 
 
 @dataclass(frozen=True)
 class Front:
     """What clients reach: the component the Service points at (TandemSpec.front), and the
-    cells the router or the endpoint picker lists (none without either)."""
+    cells the endpoint picker lists (none without it)."""
 
     target: str
     cells: tuple[int, ...]
 
     @classmethod
     def wanted(cls, spec: TandemSpec, cells: Sequence[Cell]) -> Front:
-        listed = tuple(c.index for c in cells) if spec.routed or spec.routing.picked else ()
+        listed = tuple(c.index for c in cells) if spec.picked else ()
         return cls(spec.front, listed)
 
 
@@ -222,21 +216,18 @@ async def apply_cell(kube: KubeApi, owner: kopf.Body, spec: TandemSpec, state: S
 
 async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
                          cells: Sequence[Cell]) -> Front:
-    """Apply the Services and what the routing mode runs in front of the cells (the router,
-    the endpoint picker with InferencePools or with Envoy); delete what it does not run.
-    Return the Front applied.
+    """Apply the Services and what the routing mode runs in front of the cells (the endpoint
+    picker with InferencePools or with Envoy); delete what it does not run. Return the
+    Front applied.
 
-    The Service moves to the router (or Envoy) only once one of its pods is available (until
-    then it keeps balancing over the schedulers), and back to the schedulers before it is
-    deleted.
+    The Service moves to Envoy only once one of its pods is available (until then it keeps
+    balancing over the schedulers), and back to the schedulers before it is deleted.
     """
     front: list[dict[str, Any]] = []
-    if spec.routed:
-        front = [build_router_configmap(spec, cells), build_router_deployment(spec, cells)]
     if spec.routing.mode == "gateway":  # its account first: the pods run as it
         front = [build_epp_service_account(spec), build_epp_role(spec),
                  build_epp_role_binding(spec)]
-    if spec.routing.picked:
+    if spec.picked:
         front = [*front, build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
                  build_epp_service(spec)]
     if spec.front == "envoy":
@@ -264,15 +255,15 @@ async def apply_services(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
 
 
 async def _delete_unused_routing(kube: KubeApi, spec: TandemSpec, kept_pools: set[str]) -> None:
-    """What another routing mode (or an earlier spec) left: already gone is fine, and so is
-    an InferencePool kind the cluster does not know (404 either way)."""
-    if not spec.routed:
-        await kube.delete("Deployment", spec.namespace, router_name(spec))
-        await kube.delete("ConfigMap", spec.namespace, router_name(spec))
+    """What another routing mode, an earlier spec or an earlier operator version (its
+    `tandem router`) left: already gone is fine, and so is an InferencePool kind the cluster
+    does not know (404 either way)."""
+    await kube.delete("Deployment", spec.namespace, spec.name + LEGACY_ROUTER_SUFFIX)
+    await kube.delete("ConfigMap", spec.namespace, spec.name + LEGACY_ROUTER_SUFFIX)
     if spec.front != "envoy":
         await kube.delete("Deployment", spec.namespace, envoy_name(spec))
         await kube.delete("ConfigMap", spec.namespace, envoy_name(spec))
-    if not spec.routing.picked:
+    if not spec.picked:
         await kube.delete("Deployment", spec.namespace, epp_name(spec))
         await kube.delete("ConfigMap", spec.namespace, epp_name(spec))
         await kube.delete("Service", spec.namespace, epp_name(spec))
@@ -290,7 +281,7 @@ async def apply_front(kube: KubeApi, owner: kopf.Body, spec: TandemSpec,
 
     The `services` sub-handler calls it on every spec change; the observe timer calls it
     whenever `state.front` differs from what the spec wants, which switches the Service once
-    the router is available, and converges a spec that changed again while kopf was still
+    Envoy is available, and converges a spec that changed again while kopf was still
     handling the previous change (kopf does not re-run sub-handlers that already succeeded).
     """
     async with state.lock:

@@ -34,6 +34,7 @@ RESERVED_PORTS = (9400, 9401, 50061)
 RESERVED_MOUNTS = ("/tmp", "/dev/shm", "/var/run/tandem", "/etc/tandem/tls",
                    "/etc/tandem/client-ca")
 MAX_CELLS = 64  # the CRD's maximum of spec.cells
+ROUTER_ALIAS = "router"  # routing.mode of the removed router: parsed as standalone
 # A StatefulSet's pods carry the label controller-revision-hash=<statefulset>-<hash of up to 10
 # characters>, and label values hold at most 63, so a StatefulSet name holds at most 52. The
 # longest the operator builds is the scheduler of the last cell, <name>-63-scheduler: 39.
@@ -96,7 +97,7 @@ class SchedulerSpec:
 
 @dataclass(frozen=True)
 class HttpSpec:
-    """The OpenAI-compatible HTTP port of the schedulers, the router and the Service."""
+    """The OpenAI-compatible HTTP port of the schedulers and the Service."""
 
     enabled: bool
     port: int
@@ -142,14 +143,6 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
-class RouterSpec:
-    enabled: bool
-    replicas: int
-    load_factor: float
-    resources: Resources
-
-
-@dataclass(frozen=True)
 class Workload:
     """A Deployment of the routing: its pods and their requests and limits."""
 
@@ -159,20 +152,17 @@ class Workload:
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    """How clients reach the cells (docs/routing.md): `router` (spec.router), `gateway`
-    (InferencePools and `tandem epp` for the cluster's gateway) or `standalone` (the same
-    endpoint picker behind an Envoy of the operator's)."""
+    """How clients reach the cells (docs/routing.md): `gateway` (InferencePools and `tandem
+    epp` for the cluster's gateway) or `standalone` (the same endpoint picker behind an
+    Envoy of the operator's). The CRD still accepts `router`, the mode of the removed
+    `tandem router`, as a deprecated alias: it parses as `standalone`."""
 
-    mode: str
+    mode: str  # gateway | standalone
     failure_mode: str  # FailClose | FailOpen: the gateway's answer while the picker is out
+    load_factor: float  # the picker's bound: a cell above this times the mean load spills
     epp: Workload
     envoy: Workload
     envoy_image: str
-
-    @property
-    def picked(self) -> bool:
-        """Whether `tandem epp` picks the cells (gateway and standalone modes)."""
-        return self.mode != "router"
 
 
 @dataclass(frozen=True)
@@ -219,29 +209,29 @@ class TandemSpec:
     run_as_user: int
     run_as_group: int
     tracing: TracingSpec
-    router: RouterSpec
     routing: RoutingSpec
     tls: TlsSpec
     http: HttpSpec
     shutdown_grace: float  # seconds running streams may finish on SIGTERM
+    # What the spec asks in a deprecated way (the router's fields): one event each.
+    deprecations: tuple[str, ...] = ()
 
     @property
     def cache_bytes_requested(self) -> int:
         return 0 if self.cache.type == "none" else self.cache.size
 
     @property
-    def routed(self) -> bool:
-        """Whether a router fronts the cells: router mode, enabled, and more than one cell to
-        choose from."""
-        return self.routing.mode == "router" and self.router.enabled and self.cells > 1
+    def picked(self) -> bool:
+        """Whether `tandem epp` picks the cells: always for the cluster's gateway (its
+        routes name the pools, whatever their size); standalone only with more than one
+        cell to choose from (one cell needs no Envoy in front of it)."""
+        return self.routing.mode == "gateway" or self.cells > 1
 
     @property
     def front(self) -> str:
-        """The component clients reach through the Service, once it is available: the
-        router, standalone routing's Envoy, or the schedulers themselves."""
-        if self.routed:
-            return "router"
-        return "envoy" if self.routing.mode == "standalone" else "scheduler"
+        """The component clients reach through the Service, once it is available:
+        standalone routing's Envoy, or the schedulers themselves."""
+        return "envoy" if self.routing.mode == "standalone" and self.picked else "scheduler"
 
 
 def default_worker_image(image: Mapping[str, Any], device: str, gpu_count: int) -> str:
@@ -284,9 +274,25 @@ def _workload(raw: Mapping[str, Any]) -> Workload:
 
 
 def _routing(raw: Mapping[str, Any]) -> RoutingSpec:
-    return RoutingSpec(mode=raw["mode"], failure_mode=raw["failureMode"],
+    return RoutingSpec(mode="standalone" if raw["mode"] == ROUTER_ALIAS else raw["mode"],
+                       failure_mode=raw["failureMode"], load_factor=float(raw["loadFactor"]),
                        epp=_workload(raw["epp"]), envoy=_workload(raw["envoy"]),
                        envoy_image=raw["envoy"]["image"])
+
+
+def _deprecations(s: Mapping[str, Any]) -> tuple[str, ...]:
+    """What a spec written for the removed router asks: it still applies (the CRD keeps
+    the fields), and each gets a warning saying what to write instead."""
+    out = []
+    if s["routing"]["mode"] == ROUTER_ALIAS:
+        out.append("routing.mode router is deprecated: tandem router was removed, and this "
+                   "service runs as routing.mode standalone (Envoy and the endpoint picker "
+                   "tandem epp); set routing.mode standalone (docs/routing.md)")
+    if s.get("router"):
+        out.append("spec.router is ignored since tandem router was removed: set "
+                   "routing.loadFactor, routing.envoy and routing.epp instead, and remove it "
+                   "(docs/routing.md)")
+    return tuple(out)
 
 
 def _cache(fc: Mapping[str, Any]) -> FeatureCacheSpec:
@@ -337,16 +343,11 @@ def _parse(name: str, namespace: str, s: Mapping[str, Any]) -> TandemSpec:
         run_as_user=s["securityContext"]["runAsUser"],
         run_as_group=s["securityContext"]["runAsGroup"],
         tracing=TracingSpec(tracing["endpoint"], tracing["sampler"], tracing["ratio"]),
-        router=RouterSpec(
-            enabled=s["router"]["enabled"],
-            replicas=s["router"]["replicas"],
-            load_factor=float(s["router"]["loadFactor"]),
-            resources=_resources(s["router"]["resources"]),
-        ),
         routing=_routing(s["routing"]),
         tls=TlsSpec(s["tls"].get("secretName", ""), s["tls"].get("clientCASecretName", "")),
         http=HttpSpec(s["http"]["enabled"], s["http"]["port"]),
         shutdown_grace=float(s.get("shutdownGraceSeconds", DEFAULT_GRACE_S)),
+        deprecations=_deprecations(s),
     )
 
 
@@ -411,10 +412,6 @@ def _check_rules(s: TandemSpec) -> None:
                         "multiple of worker.tensorParallelSize "
                         f"({s.worker.tensor_parallel_size}): each group of that many workers "
                         "shares one copy of the model")
-    if s.routing.mode == "standalone" and s.tls.enabled:
-        raise SpecError("routing.mode standalone serves plaintext: its Envoy has no TLS "
-                        "listener, and tls.secretName asks for TLS on the Service; use "
-                        "routing.mode router, or gateway with the gateway's TLS")
     if s.tls.client_ca_secret_name and not s.tls.enabled:
         raise SpecError("tls.clientCASecretName needs tls.secretName: mutual TLS is TLS plus "
                         "client certificates, so name the server certificate's Secret too")

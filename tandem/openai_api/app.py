@@ -301,7 +301,7 @@ class BodyLimit:
 class ServerSpans:
     """One SERVER span per HTTP request while tracing is on, parented by the caller's
     ``traceparent``: the HTTP twin of the gRPC ServerSpanInterceptor, so the request's
-    ``generate_content`` span (and the router's ``tandem.route``) hang below it."""
+    ``generate_content`` span hangs below it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -9,7 +9,7 @@ from tandem.v1 import generate_pb2
 
 
 class Backend(Protocol):
-    """The scheduler's engine (in-process) or the router's cells (over gRPC).
+    """What the HTTP routes serve from: the scheduler's engine, in-process.
 
     ``generate`` yields the same messages the gRPC Generate stream would, and raises the
     errors (``tandem.errors``) the gRPC status would carry; closing the iterator early

@@ -37,7 +37,7 @@ class HttpConfig:
 
 class _Server(uvicorn.Server):
     """NOTE: uvicorn's ``serve`` replaces the process's SIGINT/SIGTERM handlers with its
-    own; the scheduler and router own their shutdown order, so signals stay theirs and
+    own; the scheduler owns its shutdown order, so signals stay theirs and
     this server stops when told to."""
 
     @contextlib.contextmanager

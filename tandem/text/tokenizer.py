@@ -1,4 +1,4 @@
-"""The tokenizer interface the scheduler (and the router's routing key) uses, whatever the model.
+"""The tokenizer interface the scheduler uses, whatever the model.
 
 Two implementations: :class:`~tandem.text.hf_tokenizer.HFTokenizer` over a Hugging Face
 ``tokenizer.json``, and :class:`~tandem.text.byte_tokenizer.ByteTokenizer` for the

@@ -71,7 +71,7 @@ class GenerationServicer:
 
     def GetModelInfo(self, request, context):
         """The served model and the limits requests must respect (the same on every cell of a
-        deployment; the router answers from one of its healthy cells).
+        deployment; through the gateway, one of its healthy cells answers).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

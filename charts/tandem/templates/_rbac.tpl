@@ -53,8 +53,9 @@ KubeApi call sites), so a new call without a rule, or a rule nobody uses, fails 
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [list, create, patch, delete]
-# The router in front of several cells, and the endpoint picker of gateway and standalone
-# routing: created or merge-patched, read until available, deleted when the routing changes.
+# The endpoint picker of gateway and standalone routing, and standalone routing's Envoy:
+# created or merge-patched, read until available, deleted when the routing changes (and an
+# earlier version's router Deployment, wherever one is left).
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, delete]
