@@ -195,8 +195,9 @@ def test_create_then_delete(cluster: Cluster) -> None:
         assert config["TANDEM_WORKER_ADDRESSES"] == "unix:///var/run/tandem/worker-0.sock"
     pods = cluster.pods(ns)
     assert sorted(p.spec.node_name for p in pods) == sorted(NODES * 2)  # 2 cells x (1 + 1)
+    # Two cells: the default standalone routing adds the endpoint picker's Service.
     assert {s.metadata.name for s in cluster.core.list_namespaced_service(ns).items} == {
-        "svc", "svc-headless", "svc-workers"}
+        "svc", "svc-headless", "svc-workers", "svc-epp"}
 
     cluster.custom.delete_namespaced_custom_object("tandem.dev", "v1alpha1", ns,
                                                    "tandemservices", name)
