@@ -5,7 +5,7 @@ the cells that answered, each cell's own figures in the trailing metadata
 (:mod:`tandem.cell_stats`, read back by ``tandem stats --per-cell``); ``GetModelInfo`` is
 one healthy cell's answer (every cell of a deployment serves the same model), with that
 cell's name in the trailing ``x-tandem-cell``. The endpoint picker serves them on its gRPC
-port (the Envoy bootstrap routes these two paths to it), the router on its public port.
+port (the Envoy bootstrap routes these two paths to it).
 
 NOTE: the cells are asked at call time, bounded by the caller's deadline and
 :data:`ADMIN_TIMEOUT_S`, rather than answered from the ``CacheStats`` the pool polls every
@@ -89,10 +89,6 @@ class CellAdminServicer(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext,
                            ) -> generate_pb2.GetModelInfoResponse:
-        info, cell = await self.model_info(call_timeout(context))
+        info, cell = await model_info(self.pool(), call_timeout(context))
         context.set_trailing_metadata(((CELL_HEADER, cell),))
         return info
-
-    async def model_info(self, timeout: float) -> tuple[generate_pb2.GetModelInfoResponse, str]:
-        """The answer and the cell that gave it (the router renames the model here)."""
-        return await model_info(self.pool(), timeout)

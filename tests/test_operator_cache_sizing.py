@@ -233,7 +233,7 @@ def test_a_cells_stats_become_a_reading_and_its_address_a_target() -> None:
 
 def test_the_operator_reads_a_tls_cell_with_the_services_secret(tmp_path: Path) -> None:
     """Against a real mutual-TLS server: the Secret's CA verifies the cell, its certificate
-    is presented as the client's (as the router does); a name the certificate does not
+    is presented as the client's (as the endpoint picker does); a name the certificate does not
     carry, or no client certificate, is refused with a reason."""
     pki = make_pki(tmp_path)
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
