@@ -55,6 +55,7 @@ from tandem_cli.gateway import (
     start_envoy,
     stop_envoy,
     wait_envoy_ready,
+    write_cells,
 )
 from tandem_cli.traces_view import Span
 from tandem_operator.envoy import EnvoyCell, UpstreamTls, envoy_bootstrap
@@ -433,8 +434,9 @@ def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
 
 @contextlib.contextmanager
 def _envoy(config: GatewayConfig, epp_port: int, tmp: Path) -> Iterator[str]:
-    tmp.mkdir()
-    proc = start_envoy(gateway_bootstrap(config, epp_port, config.epp.cells), tmp)
+    (tmp / "cells").mkdir(parents=True)
+    write_cells(tmp / "cells", config.epp.cells)
+    proc = start_envoy(gateway_bootstrap(config, epp_port, tmp / "cells"), tmp)
     try:
         wait_envoy_ready(proc, config.admin_port, tmp)
         yield config.listen
@@ -500,6 +502,48 @@ def test_the_picker_follows_its_cells_file(gateway: Gateway, tmp_path: Path) -> 
         time.sleep(0.5)
         assert epp.read(lambda: len(epp.server.balancer.healthy)) == 2
         assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
+
+
+def test_the_gateways_envoy_reaches_a_cell_added_to_its_cells_file(gateway: Gateway,
+                                                                    tmp_path: Path) -> None:
+    """Envoy learns the picker's cells (EDS files the gateway rewrites): a cell added to
+    ``--cells-file`` is reached through Envoy, where the picker sends the requests it
+    prefers. Without that, the new cell's address is not one of Envoy's hosts and the
+    request goes round robin to the first cell."""
+    msg = request(PROMPT, [png(506)], max_tokens=1)
+    owner = gateway.owner(msg)
+    mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
+    path, log = tmp_path / "cells", tmp_path / "gateway.log"
+    path.write_text(f"{other.name}/{other.http_port}\n")
+    listen = f"127.0.0.1:{free_port()}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells-file", str(path),
+             "--listen", listen, "--admin-port", str(free_port()), "--health-interval", "0.2",
+             "--block-size", str(BLOCK)], stdout=out, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(listen)
+    stub = generate_pb2_grpc.GenerationStub(channel)
+
+    def served_by() -> str:
+        call = stub.Generate(msg, timeout=30)
+        assert list(call)[-1].usage.completion_tokens == 1
+        return dict(call.initial_metadata())[CELL_HEADER]
+
+    try:
+        _wait(lambda: b"tandem gateway listening" in log.read_bytes()
+              or proc.poll() is not None, 60)
+        assert proc.poll() is None, log.read_text()
+        assert served_by() == other.name  # the one cell
+        path.write_text(f"{other.name}/{other.http_port}\n{mine.name}/{mine.http_port}\n")
+        _wait(lambda: served_by() == mine.name, 10)  # once the picker checked it
+        reply = httpx.post(f"http://{listen}/v1/chat/completions",
+                           json=_chat(png(506), stream_=False), timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers[CELL_HEADER] == mine.name
+    finally:
+        channel.close()
+        stop_process(proc, 20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def _readiness(target: str) -> int:
