@@ -149,6 +149,7 @@ def write_cells(eds_dir: Path, cells: Sequence[CellEndpoint]) -> None:
     names; a cell without one yet is left out, as the picker leaves it out). Each file is
     written beside its final name, then renamed over it: Envoy reads the files again when
     one is renamed into the watched directory, and never sees half of one."""
+    eds_dir.mkdir(parents=True, exist_ok=True)
     assignments = cell_load_assignments(
         [EnvoyCell(c.name, c.ip, c.grpc_port, c.http_port) for c in cells if c.ip])
     for name, assignment in assignments.items():
@@ -168,7 +169,6 @@ async def run_gateway(config: GatewayConfig) -> None:
         with tempfile.TemporaryDirectory(prefix="tandem-gateway-") as tmp:
             workdir = Path(tmp)
             eds_dir = workdir / "cells"
-            eds_dir.mkdir()
             epp.watch_cells(lambda cells: write_cells(eds_dir, cells))
             proc = start_envoy(gateway_bootstrap(config, epp.port, eds_dir), workdir,
                                config.envoy_log_level)

@@ -434,7 +434,6 @@ def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
 
 @contextlib.contextmanager
 def _envoy(config: GatewayConfig, epp_port: int, tmp: Path) -> Iterator[str]:
-    (tmp / "cells").mkdir(parents=True)
     write_cells(tmp / "cells", config.epp.cells)
     proc = start_envoy(gateway_bootstrap(config, epp_port, tmp / "cells"), tmp)
     try:
