@@ -87,10 +87,10 @@ class UpstreamTls:
 
 @dataclass(frozen=True)
 class EnvoyCell:
-    """One cell as Envoy reaches it: ``host`` (IP, or a DNS name Envoy resolves, which must
-    resolve to the address the EPP names) at ``grpc_port`` for gRPC and ``http_port`` for
-    the rest (0: no HTTP); ``name`` is what ``x-tandem-cell`` says (the EPP's name of the
-    cell, its gRPC target)."""
+    """One cell as Envoy reaches it: ``host`` (IP; in a bootstrap's ``cells`` also a DNS
+    name Envoy resolves, which must resolve to the address the EPP names) at ``grpc_port``
+    for gRPC and ``http_port`` for the rest (0: no HTTP); ``name`` is what
+    ``x-tandem-cell`` says (the EPP's name of the cell, its gRPC target)."""
 
     name: str
     host: str
