@@ -590,6 +590,39 @@ def test_a_picker_following_a_pool_picks_the_cell_its_pod_adds(gateway: Gateway,
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 
+def test_a_gateway_following_a_pool_starts_without_cells_and_reaches_its_pod(
+        gateway: Gateway, tmp_path: Path) -> None:
+    """``tandem gateway --pool``: no Ready pod yet is no cell (503, not a failed start);
+    the pod's cell, once listed, is reached through Envoy."""
+    cell = gateway.endpoints[0]
+    with emulated_cluster(tmp_path) as cluster:
+        cluster.write.pool("demo-grpc", cell.grpc_port, {"app": "tandem"})
+        cluster.write.pool("demo-http", cell.http_port, {"app": "tandem"})
+        listen, log = f"127.0.0.1:{free_port()}", tmp_path / "gateway.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem_cli.cli", "gateway", "--pool", "demo-grpc",
+                 "--http-pool", "demo-http", "--pool-namespace", cluster.namespace,
+                 "--kubeconfig", str(cluster.kubeconfig), "--listen", listen,
+                 "--admin-port", str(free_port()), "--health-interval", "0.2"],
+                stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://{listen}/v1/completions"
+        body = {"model": "tiny", "prompt": TEXT, "max_tokens": 1}
+        try:
+            _wait(lambda: b"tandem gateway listening" in log.read_bytes()
+                  or proc.poll() is not None, 60)
+            assert proc.poll() is None, log.read_text()
+            assert httpx.post(url, json=body, timeout=30).status_code == 503
+            cluster.write.pod("demo-0", {"app": "tandem"}, cell.ip)
+            _wait(lambda: httpx.post(url, json=body, timeout=30).status_code == 200)
+            reply = httpx.post(url, json=body, timeout=30)
+            assert reply.status_code == 200
+            assert reply.headers[CELL_HEADER] == cell.name  # the pod has no DNS name: its IP
+        finally:
+            stop_process(proc, 20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
 def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     config = EppConfig(cells=gateway.endpoints, listen="127.0.0.1:0",
