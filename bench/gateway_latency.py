@@ -36,6 +36,7 @@ from tandem_cli.gateway import (
     start_envoy,
     stop_envoy,
     wait_envoy_ready,
+    write_cells,
 )
 from tandem_testing.cells import free_port, request, running_cell
 from tandem_testing.router import running_epp
@@ -79,7 +80,8 @@ def main() -> None:
         with running_epp(config) as epp:
             gateway = GatewayConfig(config, f"127.0.0.1:{free_port()}", free_port(),
                                     fail_open=True)
-            proc = start_envoy(gateway_bootstrap(gateway, epp.server.port, config.cells),
+            write_cells(Path(tmp) / "cells", config.cells)
+            proc = start_envoy(gateway_bootstrap(gateway, epp.server.port, Path(tmp) / "cells"),
                                Path(tmp))
             try:
                 wait_envoy_ready(proc, gateway.admin_port, Path(tmp))

@@ -216,7 +216,9 @@ class Picker:
         self.balancer = balancer
         self.cells = {c.name: c for c in cells}
 
-    async def resolve(self) -> None:
+    async def resolve(self) -> bool:
+        """Resolve every cell's host again; whether an address changed."""
+        before = dict(self.cells)
         found = await asyncio.gather(*(resolved(c) for c in self.cells.values()),
                                      return_exceptions=True)
         for name, cell in zip(list(self.cells), found, strict=True):
@@ -228,6 +230,7 @@ class Picker:
                 self.cells[name] = dataclasses.replace(self.cells[name], ip="")
             else:
                 raise cell
+        return self.cells != before
 
     def in_subset(self, hint: Collection[str]) -> set[str]:
         """The cells a subset hint names, by either of their ports or their bare IP."""

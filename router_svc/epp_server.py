@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,12 +74,11 @@ class EppConfig:
 
 @dataclass
 class CellSet:
-    """The cells the picker serves now: the picker over them, the pool checking them and
-    the task resolving their hosts again every health interval."""
+    """The cells the picker serves now: the picker over them and the pool checking them.
+    Their hosts are resolved again by :meth:`EppServer.follow_addresses`."""
 
     picker: Picker
     pool: CellPool
-    resolver: asyncio.Task[None]
 
     @classmethod
     async def start(cls, cells: Sequence[CellEndpoint], config: EppConfig,
@@ -97,18 +96,9 @@ class CellSet:
         except BaseException:  # cancelled (shutdown) while checking: close the channels
             await pool.close()
             raise
-
-        async def resolve_again() -> None:
-            while True:
-                await asyncio.sleep(config.health_interval)
-                await picker.resolve()
-
-        return cls(picker, pool, asyncio.create_task(resolve_again(), name="cell-addresses"))
+        return cls(picker, pool)
 
     async def close(self) -> None:
-        self.resolver.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.resolver
         await self.pool.close()
 
 
@@ -145,6 +135,9 @@ class EppServer:
     cell_credentials: grpc.ChannelCredentials | None
     metrics: MetricsEndpoint | None = None
     watcher: asyncio.Task[None] | None = None
+    resolver: asyncio.Task[None] | None = None
+    # Told the cells (with their addresses) whenever they change: see watch_cells.
+    cells_listener: Callable[[tuple[CellEndpoint, ...]], None] | None = None
 
     @property
     def picker(self) -> Picker:
@@ -160,9 +153,34 @@ class EppServer:
         new = await CellSet.start(cells, self.config, self.cell_credentials)
         old, self.cells = self.cells, new
         self.servicer.picker = new.picker
+        self._cells_changed()
         await old.close()
         log.warning("%s: now %d cells (%d up)", source, len(cells),
                     len(new.picker.balancer.healthy))
+
+    async def follow_addresses(self) -> None:
+        """Resolve the current cells' hosts again every health interval (:class:`Picker`)."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            if await self.picker.resolve():
+                self._cells_changed()
+
+    def watch_cells(self, listener: Callable[[tuple[CellEndpoint, ...]], None]) -> None:
+        """Call ``listener`` with the cells now, and again whenever the picker's cells or
+        their addresses change (:meth:`use` and :meth:`follow_addresses`, the only places
+        they change): how ``tandem gateway`` keeps its Envoy's cells the picker's. The
+        first call's errors are the caller's; later ones are logged and the next change
+        tries again (the resolving and the watch go on)."""
+        self.cells_listener = listener
+        listener(tuple(self.picker.cells.values()))
+
+    def _cells_changed(self) -> None:
+        if self.cells_listener is None:
+            return
+        try:
+            self.cells_listener(tuple(self.picker.cells.values()))
+        except Exception:
+            log.exception("telling the cells' change failed; retried at the next change")
 
     async def follow(self, file: CellsFile, current: tuple[CellEndpoint, ...]) -> None:
         """Switch to the file's cells whenever they change from ``current``; a bad file
@@ -206,10 +224,11 @@ class EppServer:
     async def stop(self, grace: float) -> None:
         """NOT_SERVING (Envoy's health check stops sending new streams), running streams
         finish within ``grace``, then the cell channels close."""
-        if self.watcher is not None:
-            self.watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.watcher
+        for task in (self.watcher, self.resolver):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.grpc.stop(grace)
         await self.cells.close()
         if self.metrics is not None:
@@ -253,6 +272,7 @@ async def create_epp(config: EppConfig) -> EppServer:
     if config.metrics_port:
         running.metrics = await start_metrics(lambda: running.balancer, config.metrics_port,
                                               registry)
+    running.resolver = asyncio.create_task(running.follow_addresses(), name="cell-addresses")
     if file is not None:
         running.watcher = asyncio.create_task(running.follow(file, initial), name="cells-file")
     elif config.pool is not None:

@@ -1,10 +1,11 @@
 """The endpoint picker's ``tandem.route`` span: one per request it picks a cell for.
 
-The picker relays no bytes, so its span covers what the picker adds to a request: from the request headers to the
-pick (buffering the body, the routing key, the balancer's choice) or the refusal. It is a
-child of the client's ``traceparent`` when the request carries one, and its own context
-goes on to the cell in the ``traceparent`` request header, set by the picker's header
-answer: the cell's server span sits under the pick (and starts as the pick ends).
+The picker relays no bytes, so its span covers what the picker adds to a request: from
+the request headers to the pick (buffering the body, the routing key, the balancer's
+choice) or the refusal. It is a child of the client's ``traceparent`` when the request
+carries one, and its own context goes on to the cell in the ``traceparent`` request
+header, set by the picker's header answer: the cell's server span sits under the pick
+(and starts as the pick ends).
 
 With tracing off (:func:`tandem.tracing.enabled`) nothing is started or sent.
 """

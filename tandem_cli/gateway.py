@@ -3,7 +3,10 @@
 The multi-cell quick start without a proxy of our own: the endpoint picker runs in this
 process, Envoy as a child process with the bootstrap the operator also renders
 (:func:`tandem_operator.envoy.envoy_bootstrap`). Envoy carries every byte; the picker only
-sees each request to choose its cell.
+sees each request to choose its cell. Envoy reads the cells from EDS files that the gateway
+rewrites whenever the picker's cells or their addresses change (a ``--cells-file`` edit,
+an InferencePool's pods, a restarted cell's new IP), so Envoy reaches every cell the
+picker may name.
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from router_svc.epp import CellEndpoint
 from router_svc.epp_server import EppConfig, create_epp
-from tandem_operator.envoy import EnvoyCell, UpstreamTls, envoy_bootstrap
+from tandem_operator.envoy import (
+    EnvoyCell,
+    UpstreamTls,
+    cell_load_assignments,
+    envoy_bootstrap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +129,10 @@ class GatewayConfig:
     envoy_log_level: str = "warning"
 
 
-def gateway_bootstrap(config: GatewayConfig, epp_port: int,
-                      cells: tuple[CellEndpoint, ...]) -> dict[str, Any]:
-    """The bootstrap of the local gateway: the picker on loopback; the cells at the
-    addresses the picker resolved (the ones it names), over TLS with the picker's
-    ``--cell-tls-*`` files."""
+def gateway_bootstrap(config: GatewayConfig, epp_port: int, eds_dir: Path) -> dict[str, Any]:
+    """The bootstrap of the local gateway: the picker on loopback; the cells from the EDS
+    files in ``eds_dir`` (:func:`write_cells`), over TLS with the picker's ``--cell-tls-*``
+    files."""
     host, _, port = config.listen.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     tls = config.epp.cell_tls
@@ -132,9 +140,22 @@ def gateway_bootstrap(config: GatewayConfig, epp_port: int,
         listen_port=int(port), listen_address="0.0.0.0" if host in ("", "*") else
         "127.0.0.1" if host == "localhost" else host,
         epp_address="127.0.0.1", epp_port=epp_port, admin_port=config.admin_port,
-        failure_mode_allow=config.fail_open,
-        cells=[EnvoyCell(c.name, c.ip or c.host, c.grpc_port, c.http_port) for c in cells],
+        failure_mode_allow=config.fail_open, eds_dir=str(eds_dir),
         cell_tls=UpstreamTls(tls.ca, tls.cert, tls.key) if tls.enabled else None)
+
+
+def write_cells(eds_dir: Path, cells: Sequence[CellEndpoint]) -> None:
+    """Give Envoy the picker's cells, at the addresses the picker resolved (the ones it
+    names; a cell without one yet is left out, as the picker leaves it out). Each file is
+    written beside its final name, then renamed over it: Envoy reads the files again when
+    one is renamed into the watched directory, and never sees half of one."""
+    eds_dir.mkdir(parents=True, exist_ok=True)
+    assignments = cell_load_assignments(
+        [EnvoyCell(c.name, c.ip, c.grpc_port, c.http_port) for c in cells if c.ip])
+    for name, assignment in assignments.items():
+        temporary = eds_dir / f".{name}.tmp"
+        temporary.write_text(json.dumps(assignment))
+        temporary.replace(eds_dir / name)
 
 
 async def run_gateway(config: GatewayConfig) -> None:
@@ -147,13 +168,15 @@ async def run_gateway(config: GatewayConfig) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-gateway-") as tmp:
             workdir = Path(tmp)
-            cells = tuple(epp.picker.cells.values())
-            proc = start_envoy(gateway_bootstrap(config, epp.port, cells), workdir,
+            eds_dir = workdir / "cells"
+            epp.watch_cells(lambda cells: write_cells(eds_dir, cells))
+            proc = start_envoy(gateway_bootstrap(config, epp.port, eds_dir), workdir,
                                config.envoy_log_level)
             try:
                 await asyncio.to_thread(wait_envoy_ready, proc, config.admin_port, workdir)
                 print(f"tandem gateway listening on {config.listen} over "
-                      f"{len(cells)} cells (Envoy admin on 127.0.0.1:{config.admin_port})",
+                      f"{len(epp.picker.cells)} cells (Envoy admin on "
+                      f"127.0.0.1:{config.admin_port})",
                       flush=True)
                 exited = asyncio.create_task(asyncio.to_thread(proc.wait))
                 stopping = asyncio.create_task(stop.wait())

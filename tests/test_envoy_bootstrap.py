@@ -20,8 +20,11 @@ from tandem_operator.envoy import (
     FALLBACKS_KEY,
     GRPC_CELLS_CLUSTER,
     HTTP_CELLS_CLUSTER,
+    MAX_RETRIES,
     EnvoyCell,
     UpstreamTls,
+    cell_load_assignments,
+    eds_file,
     envoy_bootstrap,
 )
 
@@ -131,6 +134,43 @@ def test_envoy_reaches_the_cells_over_tls_with_each_protocols_alpn() -> None:
     assert "transport_socket" not in clusters(b)[EPP_CLUSTER]
 
 
+def test_with_eds_the_cells_come_from_files_envoy_watches() -> None:
+    """``tandem gateway``'s form: the cell clusters read their endpoints from files that
+    are renamed into a watched directory, so the cells can change under a running Envoy."""
+    static = envoy_bootstrap(listen_port=10000, epp_address="127.0.0.1", epp_port=9002,
+                             admin_port=9901, cells=CELLS)
+    b = envoy_bootstrap(listen_port=10000, epp_address="127.0.0.1", epp_port=9002,
+                        admin_port=9901, eds_dir="/run/cells")
+    for name in (GRPC_CELLS_CLUSTER, HTTP_CELLS_CLUSTER):
+        cluster = clusters(b)[name]
+        assert cluster["type"] == "EDS" and "load_assignment" not in cluster
+        source = cluster["eds_cluster_config"]["eds_config"]
+        assert source["path_config_source"] == {"path": f"/run/cells/{eds_file(name)}",
+                                                "watched_directory": {"path": "/run/cells"}}
+        # All but where the endpoints come from is the static form's.
+        for key in ("load_balancing_policy", "typed_extension_protocol_options",
+                    "connect_timeout"):
+            assert cluster[key] == clusters(static)[name][key]
+    # The number of cells changes: a retry may go as far as MAX_RETRIES cells.
+    routes = manager(b)["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[1]["route"]["retry_policy"]["num_retries"] == MAX_RETRIES
+    # The files hold what the static form lists, as EDS discovery responses.
+    files = cell_load_assignments([*CELLS, EnvoyCell("c:1", "10.0.0.3", 1)])
+    assert set(files) == {eds_file(GRPC_CELLS_CLUSTER), eds_file(HTTP_CELLS_CLUSTER)}
+    listed = cell_load_assignments(CELLS)
+    for name in (GRPC_CELLS_CLUSTER, HTTP_CELLS_CLUSTER):
+        [assignment] = listed[eds_file(name)]["resources"]
+        assert assignment.pop("@type") == ("type.googleapis.com/envoy.config.endpoint.v3."
+                                           "ClusterLoadAssignment")
+        assert assignment == clusters(static)[name]["load_assignment"]
+    [grpc_cells] = files[eds_file(GRPC_CELLS_CLUSTER)]["resources"]
+    [http_cells] = files[eds_file(HTTP_CELLS_CLUSTER)]["resources"]
+    assert len(grpc_cells["endpoints"][0]["lb_endpoints"]) == 3
+    assert len(http_cells["endpoints"][0]["lb_endpoints"]) == 2  # "c:1" has no HTTP port
+    assert cell_load_assignments([])[eds_file(GRPC_CELLS_CLUSTER)]["resources"][0][
+        "endpoints"] == [{"lb_endpoints": []}]  # no cell yet (a pool without pods)
+
+
 def test_the_bootstrap_and_the_picker_name_the_same_protocol() -> None:
     # The operator imports no engine code, so GIE's names live in both; they must agree.
     from router_svc import epp
@@ -148,8 +188,13 @@ def test_bad_ports_and_half_client_certificates_are_refused() -> None:
     with pytest.raises(ValueError, match="cell port 70000"):
         envoy_bootstrap(listen_port=1, epp_address="e", epp_port=1, admin_port=2,
                         cells=[EnvoyCell("c", "h", 70000)])
-    with pytest.raises(ValueError, match="at least one cell"):
+    with pytest.raises(ValueError, match="exactly one"):
         envoy_bootstrap(listen_port=1, epp_address="e", epp_port=1, admin_port=2, cells=[])
+    with pytest.raises(ValueError, match="exactly one"):
+        envoy_bootstrap(listen_port=1, epp_address="e", epp_port=1, admin_port=2, cells=CELLS,
+                        eds_dir="/cells")
+    with pytest.raises(ValueError, match="cell port 0"):
+        cell_load_assignments([EnvoyCell("c", "10.0.0.1", 0)])
     for tls in ({"epp_tls": UpstreamTls(cert="/c.pem")}, {"cell_tls": UpstreamTls(key="/k")}):
         with pytest.raises(ValueError, match="both cert and key"):
             envoy_bootstrap(listen_port=1, epp_address="e", epp_port=2, admin_port=3,
@@ -161,11 +206,17 @@ def test_a_real_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
     tls = UpstreamTls(ca=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key),
                       sni="localhost")
     cells = [EnvoyCell("a", "127.0.0.1", 1, 2), EnvoyCell("b", "localhost", 3)]
+    eds = tmp_path / "cells"  # Envoy refuses an EDS file that is not there
+    eds.mkdir()
+    for name, assignment in cell_load_assignments(cells[:1]).items():
+        (eds / name).write_text(json.dumps(assignment))
     for b in (envoy_bootstrap(listen_port=10000, epp_address="localhost", epp_port=9002,
                               admin_port=9901, cells=cells),
               envoy_bootstrap(listen_port=10000, epp_address="127.0.0.1", epp_port=9002,
                               admin_port=9901, failure_mode_allow=True, epp_tls=tls,
-                              cells=cells, cell_tls=tls)):
+                              cells=cells, cell_tls=tls),
+              envoy_bootstrap(listen_port=10000, epp_address="127.0.0.1", epp_port=9002,
+                              admin_port=9901, eds_dir=str(eds), cell_tls=tls)):
         path = tmp_path / "bootstrap.json"
         path.write_text(json.dumps(b))
         done = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c",

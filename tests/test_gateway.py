@@ -25,7 +25,7 @@ import httpx
 import pytest
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kube_emulator.fixtures import emulated_cluster
+from kube_emulator.fixtures import Cluster, emulated_cluster
 from otlp_receiver import OtlpReceiver
 from pki import make_pki
 
@@ -56,6 +56,7 @@ from tandem_cli.gateway import (
     start_envoy,
     stop_envoy,
     wait_envoy_ready,
+    write_cells,
 )
 from tandem_cli.traces_view import Span
 from tandem_operator.envoy import EnvoyCell, UpstreamTls, envoy_bootstrap
@@ -434,8 +435,8 @@ def test_full_queues_no_cells_and_a_slow_body_are_refused(gateway: Gateway,
 
 @contextlib.contextmanager
 def _envoy(config: GatewayConfig, epp_port: int, tmp: Path) -> Iterator[str]:
-    tmp.mkdir()
-    proc = start_envoy(gateway_bootstrap(config, epp_port, config.epp.cells), tmp)
+    write_cells(tmp / "cells", config.epp.cells)
+    proc = start_envoy(gateway_bootstrap(config, epp_port, tmp / "cells"), tmp)
     try:
         wait_envoy_ready(proc, config.admin_port, tmp)
         yield config.listen
@@ -503,6 +504,48 @@ def test_the_picker_follows_its_cells_file(gateway: Gateway, tmp_path: Path) -> 
         assert _destination(_process(target, *_grpc_request(msg))) == mine.destination(True)
 
 
+def test_the_gateways_envoy_reaches_a_cell_added_to_its_cells_file(gateway: Gateway,
+                                                                    tmp_path: Path) -> None:
+    """Envoy learns the picker's cells (EDS files the gateway rewrites): a cell added to
+    ``--cells-file`` is reached through Envoy, where the picker sends the requests it
+    prefers. Without that, the new cell's address is not one of Envoy's hosts and the
+    request goes round robin to the first cell."""
+    msg = request(PROMPT, [png(506)], max_tokens=1)
+    owner = gateway.owner(msg)
+    mine, other = gateway.endpoints[owner], gateway.endpoints[1 - owner]
+    path, log = tmp_path / "cells", tmp_path / "gateway.log"
+    path.write_text(f"{other.name}/{other.http_port}\n")
+    listen = f"127.0.0.1:{free_port()}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem_cli.cli", "gateway", "--cells-file", str(path),
+             "--listen", listen, "--admin-port", str(free_port()), "--health-interval", "0.2",
+             "--block-size", str(BLOCK)], stdout=out, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(listen)
+    stub = generate_pb2_grpc.GenerationStub(channel)
+
+    def served_by() -> str:
+        call = stub.Generate(msg, timeout=30)
+        assert list(call)[-1].usage.completion_tokens == 1
+        return dict(call.initial_metadata())[CELL_HEADER]
+
+    try:
+        _wait(lambda: b"tandem gateway listening" in log.read_bytes()
+              or proc.poll() is not None, 60)
+        assert proc.poll() is None, log.read_text()
+        assert served_by() == other.name  # the one cell
+        path.write_text(f"{other.name}/{other.http_port}\n{mine.name}/{mine.http_port}\n")
+        _wait(lambda: served_by() == mine.name, 10)  # once the picker checked it
+        reply = httpx.post(f"http://{listen}/v1/chat/completions",
+                           json=_chat(png(506), stream_=False), timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers[CELL_HEADER] == mine.name
+    finally:
+        channel.close()
+        stop_process(proc, 20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
 def _readiness(target: str) -> int:
     with grpc.insecure_channel(target) as channel:
         try:
@@ -512,40 +555,71 @@ def _readiness(target: str) -> int:
             return health_pb2.HealthCheckResponse.UNKNOWN  # not listening yet
 
 
+@contextlib.contextmanager
+def _following_pools(cell: CellEndpoint, tmp: Path, log: Path, *command: str,
+                     ) -> Iterator[tuple[Cluster, subprocess.Popen[bytes]]]:
+    """``tandem COMMAND`` following the InferencePools ``demo-grpc`` and ``demo-http`` (the
+    cell's two ports, pods labelled ``app: tandem``) of an emulated cluster, which starts
+    without pods; it must exit cleanly on SIGTERM at the end."""
+    with emulated_cluster(tmp) as cluster:
+        cluster.write.pool("demo-grpc", cell.grpc_port, {"app": "tandem"})
+        cluster.write.pool("demo-http", cell.http_port, {"app": "tandem"})
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem_cli.cli", *command, "--pool", "demo-grpc",
+                 "--http-pool", "demo-http", "--pool-namespace", cluster.namespace,
+                 "--kubeconfig", str(cluster.kubeconfig), "--health-interval", "0.2"],
+                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield cluster, proc
+        finally:
+            stop_process(proc, 20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
 def test_a_picker_following_a_pool_picks_the_cell_its_pod_adds(gateway: Gateway,
                                                                tmp_path: Path) -> None:
     cell = gateway.endpoints[0]
     msg = request(PROMPT, [png(505)], max_tokens=2)
-    with emulated_cluster(tmp_path) as cluster:
-        cluster.write.pool("demo-grpc", cell.grpc_port, {"app": "tandem"})
-        cluster.write.pool("demo-http", cell.http_port, {"app": "tandem"})
-        target, log = f"127.0.0.1:{free_port()}", tmp_path / "epp.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tandem_cli.cli", "epp", "--pool", "demo-grpc",
-                 "--http-pool", "demo-http", "--pool-namespace", cluster.namespace,
-                 "--kubeconfig", str(cluster.kubeconfig), "--listen", target,
-                 "--health-interval", "0.2", "--block-size", str(BLOCK)],
-                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait(lambda: _readiness(target) == health_pb2.HealthCheckResponse.SERVING
-                  or proc.poll() is not None, 60)
-            assert proc.poll() is None, log.read_text()
-            (none,) = _process(target, *_grpc_request(msg))  # no pod yet
-            assert none.immediate_response.grpc_status.status == \
-                grpc.StatusCode.UNAVAILABLE.value[0]
-            cluster.write.pod("demo-0", {"app": "tandem"}, cell.ip)
-            _wait(lambda: _process(target, *_grpc_request(msg))[0].HasField("request_headers"))
-            assert _destination(_process(target, *_grpc_request(msg))) == \
-                cell.destination(True)
-            chat = _process(target, _headers("/v1/chat/completions", "application/json"),
-                            ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(
-                                body=json.dumps(_chat(png(505))).encode(),
-                                end_of_stream=True)))
-            assert _destination(chat) == cell.destination(False)
-        finally:
-            stop_process(proc, 20)
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    target, log = f"127.0.0.1:{free_port()}", tmp_path / "epp.log"
+    with _following_pools(cell, tmp_path, log, "epp", "--listen", target,
+                          "--block-size", str(BLOCK)) as (cluster, proc):
+        _wait(lambda: _readiness(target) == health_pb2.HealthCheckResponse.SERVING
+              or proc.poll() is not None, 60)
+        assert proc.poll() is None, log.read_text()
+        (none,) = _process(target, *_grpc_request(msg))  # no pod yet
+        assert none.immediate_response.grpc_status.status == \
+            grpc.StatusCode.UNAVAILABLE.value[0]
+        cluster.write.pod("demo-0", {"app": "tandem"}, cell.ip)
+        _wait(lambda: _process(target, *_grpc_request(msg))[0].HasField("request_headers"))
+        assert _destination(_process(target, *_grpc_request(msg))) == \
+            cell.destination(True)
+        chat = _process(target, _headers("/v1/chat/completions", "application/json"),
+                        ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(
+                            body=json.dumps(_chat(png(505))).encode(),
+                            end_of_stream=True)))
+        assert _destination(chat) == cell.destination(False)
+
+
+def test_a_gateway_following_a_pool_starts_without_cells_and_reaches_its_pod(
+        gateway: Gateway, tmp_path: Path) -> None:
+    """``tandem gateway --pool``: no Ready pod yet is no cell (503, not a failed start);
+    the pod's cell, once listed, is reached through Envoy."""
+    listen, log = f"127.0.0.1:{free_port()}", tmp_path / "gateway.log"
+    url = f"http://{listen}/v1/completions"
+    body = {"model": "tiny", "prompt": TEXT, "max_tokens": 1}
+    with _following_pools(gateway.endpoints[0], tmp_path, log, "gateway", "--listen", listen,
+                          "--admin-port", str(free_port())) as (cluster, proc):
+        _wait(lambda: b"tandem gateway listening" in log.read_bytes()
+              or proc.poll() is not None, 60)
+        assert proc.poll() is None, log.read_text()
+        assert httpx.post(url, json=body, timeout=30).status_code == 503
+        cluster.write.pod("demo-0", {"app": "tandem"}, gateway.endpoints[0].ip)
+        _wait(lambda: httpx.post(url, json=body, timeout=30).status_code == 200)
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 200
+        # The pod has no DNS name: the cell is named by its IP.
+        assert reply.headers[CELL_HEADER] == gateway.endpoints[0].name
 
 
 def test_envoy_reaches_the_picker_over_mutual_tls(gateway: Gateway, tmp_path: Path) -> None:

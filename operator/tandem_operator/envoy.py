@@ -22,7 +22,11 @@ Extension's reference Envoy configuration, with these facts behind it:
   answer, HTTP 503), at most ``MAX_RETRIES`` times, with the request buffered for it up to
   ``RETRY_BUFFER_BYTES``. ``override_host`` only reaches cells the cluster lists (an
   ``ORIGINAL_DST`` cluster reaches any address, but the header is its only source, so a
-  retry would go to the failed cell again): the bootstrap names every cell.
+  retry would go to the failed cell again), so Envoy must know every cell. Either the
+  bootstrap lists them (``cells``: static, the operator's standalone Envoy, whose ConfigMap
+  rolls it when the cells change), or the clusters are EDS clusters read from files in a
+  watched directory (``eds_dir``: ``tandem gateway``, which rewrites the files whenever
+  its picker's cells or their addresses change, see :func:`cell_load_assignments`).
 * ``x-tandem-cell`` in the response headers (gRPC initial metadata) is the name of the cell
   that answered, from its endpoint's metadata: the last attempt's, after a failover.
 * A client could name a destination itself: an *early* header mutation removes the header
@@ -40,8 +44,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-Endpoint = tuple[str, int]  # (IP or DNS name, port)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
@@ -65,6 +67,7 @@ _GRPC_MATCH = {"headers": [{"name": "content-type",
                             "string_match": {"prefix": "application/grpc"}}]}
 
 _HAS_DESTINATION = {"name": DESTINATION_HEADER, "present_match": True}
+_LOAD_ASSIGNMENT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 _CELL_METADATA = "tandem"  # each cell endpoint's metadata namespace: {"name": cell name}
 
 _TYPES = "type.googleapis.com/envoy.extensions"
@@ -94,10 +97,10 @@ class ListenerTls:
 
 @dataclass(frozen=True)
 class EnvoyCell:
-    """One cell as Envoy reaches it: ``host`` (IP, or a DNS name Envoy resolves, which must
-    resolve to the address the EPP names) at ``grpc_port`` for gRPC and ``http_port`` for
-    the rest (0: no HTTP); ``name`` is what ``x-tandem-cell`` says (the EPP's name of the
-    cell, its gRPC target)."""
+    """One cell as Envoy reaches it: ``host`` (IP; in a bootstrap's ``cells`` also a DNS
+    name Envoy resolves, which must resolve to the address the EPP names) at ``grpc_port``
+    for gRPC and ``http_port`` for the rest (0: no HTTP); ``name`` is what
+    ``x-tandem-cell`` says (the EPP's name of the cell, its gRPC target)."""
 
     name: str
     host: str
@@ -106,7 +109,8 @@ class EnvoyCell:
 
 
 def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_port: int,
-                    cells: Sequence[EnvoyCell], failure_mode_allow: bool = False,
+                    cells: Sequence[EnvoyCell] = (), eds_dir: str = "",
+                    failure_mode_allow: bool = False,
                     epp_tls: UpstreamTls | None = None, cell_tls: UpstreamTls | None = None,
                     listener_tls: ListenerTls | None = None,
                     listen_address: str = "0.0.0.0", admin_address: str = "127.0.0.1",
@@ -115,36 +119,95 @@ def envoy_bootstrap(*, listen_port: int, epp_address: str, epp_port: int, admin_
     """An Envoy v3 bootstrap (JSON-serialisable; Envoy reads JSON as YAML).
 
     ``epp_address`` may be an IP or a DNS name (resolved by Envoy, STRICT_DNS);
-    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message. ``cells`` are
+    ``epp_timeout_s`` bounds the ext_proc stream's setup and each message. The cells are
     every cell the EPP may pick (a destination outside them is not reached: the request
-    goes round robin instead); ``cell_tls``: Envoy reaches them over TLS; ``listener_tls``
-    (None = plaintext) serves the listener over TLS, ALPN h2 and http/1.1.
+    goes round robin instead), given by exactly one of ``cells`` (listed in the bootstrap;
+    a host may be a DNS name) or ``eds_dir``, a directory where Envoy reads them, and
+    reads them again whenever a file is renamed into it: ``cell_load_assignments`` gives
+    its files' contents (IP addresses only; no cell yet is fine). ``cell_tls``: Envoy
+    reaches the cells over TLS; ``listener_tls`` (None = plaintext) serves the listener
+    over TLS, ALPN h2 and http/1.1.
 
     ``failure_mode_allow`` (fail-open): when the EPP is down, requests go on without a
     picked destination, round robin over the cells, without affinity. Fail-closed (the
     default) answers 503 / gRPC UNAVAILABLE while the EPP is down.
     """
-    if not cells:
-        raise ValueError("the gateway needs at least one cell")
-    for what, port in (("listen", listen_port), ("epp", epp_port), ("admin", admin_port),
-                       *(("cell", p) for c in cells for p in (c.grpc_port, c.http_port or 1))):
-        if not 0 < port < 65536:
-            raise ValueError(f"{what} port {port} is not in 1..65535")
-    clusters = [_cells_cluster(GRPC_CELLS_CLUSTER, [(c, c.grpc_port) for c in cells],
-                               cell_tls, connect_timeout_s)]
+    if bool(cells) == bool(eds_dir):
+        raise ValueError("give the cells, or the directory of their EDS files (exactly one)")
+    for what, port in (("listen", listen_port), ("epp", epp_port), ("admin", admin_port)):
+        _check_port(what, port)
+    _check_cells(cells)
+    # A retry goes to another cell; with EDS their number changes, and a retry past the
+    # last cell just finds the one left (the previous-hosts predicate gives up after its
+    # attempts).
+    retries = min(MAX_RETRIES, len(cells) - 1) if cells else MAX_RETRIES
     protocols = [(_GRPC_MATCH, GRPC_CELLS_CLUSTER)]
-    if http := [(c, c.http_port) for c in cells if c.http_port]:
-        clusters.append(_cells_cluster(HTTP_CELLS_CLUSTER, http, cell_tls, connect_timeout_s))
+    if eds_dir or any(c.http_port for c in cells):
         protocols.append(({}, HTTP_CELLS_CLUSTER))
+    clusters = [_cells_cluster(name, _cell_source(name, cells, eds_dir), cell_tls,
+                               connect_timeout_s) for _, name in protocols]
     clusters.append(_epp_cluster(epp_address, epp_port, epp_tls, connect_timeout_s))
     return {
+        # Envoy names itself to its config sources; a file one needs a name all the same.
+        "node": {"id": "tandem-envoy", "cluster": "tandem"},
         "admin": {"address": _socket(admin_address, admin_port)},
         "static_resources": {
             "listeners": [_listener(listen_address, listen_port, failure_mode_allow,
-                                    epp_timeout_s, protocols, len(cells), listener_tls)],
+                                    epp_timeout_s, protocols, retries, listener_tls)],
             "clusters": clusters,
         },
     }
+
+
+def cell_load_assignments(cells: Sequence[EnvoyCell]) -> dict[str, dict[str, Any]]:
+    """The contents of the EDS files of a bootstrap with ``eds_dir``, by file name: for each
+    cell cluster, a discovery response with its ClusterLoadAssignment (every cell at that
+    cluster's port). The writer puts each beside its final name and renames it into the
+    directory (Envoy reads a file again when one is moved into the watched directory, so
+    it never sees half a file). EDS endpoints are addresses: a cell's ``host`` must be an
+    IP (leave out a cell that has none yet)."""
+    _check_cells(cells)
+    return {eds_file(name): {"version_info": "tandem", "resources": [
+        {"@type": _LOAD_ASSIGNMENT, **_load_assignment(name, cells)}]}
+        for name in (GRPC_CELLS_CLUSTER, HTTP_CELLS_CLUSTER)}
+
+
+def eds_file(cluster: str) -> str:
+    """The name of a cell cluster's EDS file in the bootstrap's ``eds_dir``."""
+    return f"{cluster}.json"
+
+
+def _check_port(what: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"{what} port {port} is not in 1..65535")
+
+
+def _check_cells(cells: Sequence[EnvoyCell]) -> None:
+    for cell in cells:
+        for port in (cell.grpc_port, cell.http_port or 1):
+            _check_port("cell", port)
+
+
+def _load_assignment(cluster: str, cells: Sequence[EnvoyCell]) -> dict[str, Any]:
+    """The cells at ``cluster``'s port (gRPC or HTTP; a cell without HTTP is not in the
+    HTTP one), each endpoint carrying the cell's name for ``x-tandem-cell``: the one place
+    the endpoints are built, for the bootstrap and the EDS files alike."""
+    grpc = cluster == GRPC_CELLS_CLUSTER
+    return {"cluster_name": cluster, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": _socket(c.host, c.grpc_port if grpc else c.http_port)},
+         "metadata": {"filter_metadata": {_CELL_METADATA: {"name": c.name}}}}
+        for c in cells if grpc or c.http_port]}]}
+
+
+def _cell_source(cluster: str, cells: Sequence[EnvoyCell], eds_dir: str) -> dict[str, Any]:
+    """Where a cell cluster's endpoints come from: listed (resolved by Envoy, so a host may
+    be a DNS name), or an EDS file in the watched ``eds_dir``."""
+    if cells:
+        return {"type": "STRICT_DNS", "load_assignment": _load_assignment(cluster, cells)}
+    return {"type": "EDS", "eds_cluster_config": {"eds_config": {
+        "resource_api_version": "V3",
+        "path_config_source": {"path": f"{eds_dir.rstrip('/')}/{eds_file(cluster)}",
+                               "watched_directory": {"path": eds_dir}}}}}
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
@@ -156,15 +219,15 @@ def _duration(seconds: float) -> str:
 
 
 def _listener(address: str, port: int, failure_mode_allow: bool, epp_timeout_s: float,
-              protocols: Sequence[tuple[dict[str, Any], str]], cell_count: int,
+              protocols: Sequence[tuple[dict[str, Any], str]], retries: int,
               tls: ListenerTls | None) -> dict[str, Any]:
     # The EPP's answer clears the route cache, so the picked routes are chosen once it set
     # the destination. Without one (fail-open with the EPP down) a request goes round robin
     # (the cell clusters' fallback policy), or, fail-closed, gets 503.
     picked = [_route({"prefix": "/", **match,
                       "headers": [*match.get("headers", []), _HAS_DESTINATION]},
-                     cluster, cell_count) for match, cluster in protocols]
-    unpicked = ([_route({"prefix": "/", **match}, cluster, cell_count)
+                     cluster, retries) for match, cluster in protocols]
+    unpicked = ([_route({"prefix": "/", **match}, cluster, retries)
                  for match, cluster in protocols] if failure_mode_allow else
                 [{"match": {"prefix": "/"}, "direct_response": {
                     "status": 503, "body": {"inline_string": "no cell was picked"}}}])
@@ -257,7 +320,7 @@ def _ext_proc(failure_mode_allow: bool, timeout_s: float) -> dict[str, Any]:
     }
 
 
-def _route(match: dict[str, Any], cluster: str, cell_count: int) -> dict[str, Any]:
+def _route(match: dict[str, Any], cluster: str, retries: int) -> dict[str, Any]:
     """To a cell cluster, retrying on the next fallback what failed before the cell
     answered (once response headers went to the client, nothing is retried). timeout 0:
     a generation streams as long as it takes (the cell bounds it)."""
@@ -265,7 +328,7 @@ def _route(match: dict[str, Any], cluster: str, cell_count: int) -> dict[str, An
         "cluster": cluster, "timeout": "0s",
         "retry_policy": {
             "retry_on": RETRY_ON, "retriable_status_codes": [503],
-            "num_retries": min(MAX_RETRIES, cell_count - 1),
+            "num_retries": retries,
             # Past the EPP's fallbacks the cluster's round robin picks: not a cell that
             # failed this request already.
             "retry_host_predicate": [{
@@ -277,15 +340,13 @@ def _route(match: dict[str, Any], cluster: str, cell_count: int) -> dict[str, An
     }}
 
 
-def _cells_cluster(name: str, endpoints: Sequence[tuple[EnvoyCell, int]],
-                   tls: UpstreamTls | None, connect_timeout_s: float) -> dict[str, Any]:
-    """The cells at one port each (all gRPC, or all HTTP/1.1), reached at the EPP's
-    destination and then its fallbacks (``override_host``), round robin without them."""
-    cluster = _static_cluster(name, [(c.host, port) for c, port in endpoints],
-                              connect_timeout_s, http2=name == GRPC_CELLS_CLUSTER)
-    for lb_endpoint, (cell, _) in zip(
-            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"], endpoints, strict=True):
-        lb_endpoint["metadata"] = {"filter_metadata": {_CELL_METADATA: {"name": cell.name}}}
+def _cells_cluster(name: str, source: dict[str, Any], tls: UpstreamTls | None,
+                   connect_timeout_s: float) -> dict[str, Any]:
+    """The cells at one port each (all gRPC, or all HTTP/1.1), from ``source``
+    (:func:`_cell_source`), reached at the EPP's destination and then its fallbacks
+    (``override_host``), round robin without them."""
+    cluster = {"name": name, **source, **_upstream(connect_timeout_s,
+                                                  http2=name == GRPC_CELLS_CLUSTER)}
     cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {
@@ -305,15 +366,11 @@ def _cells_cluster(name: str, endpoints: Sequence[tuple[EnvoyCell, int]],
     return cluster
 
 
-def _static_cluster(name: str, endpoints: Sequence[Endpoint], connect_timeout_s: float,
-                    http2: bool) -> dict[str, Any]:
+def _upstream(connect_timeout_s: float, http2: bool) -> dict[str, Any]:
+    """A cluster's connection settings: h2c (gRPC) or HTTP/1.1."""
     protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     return {
-        "name": name,
-        "type": "STRICT_DNS",
         "connect_timeout": _duration(connect_timeout_s),
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": _socket(host, port)}} for host, port in endpoints]}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
@@ -325,7 +382,10 @@ def _static_cluster(name: str, endpoints: Sequence[Endpoint], connect_timeout_s:
 
 def _epp_cluster(address: str, port: int, tls: UpstreamTls | None,
                  connect_timeout_s: float) -> dict[str, Any]:
-    cluster = _static_cluster(EPP_CLUSTER, [(address, port)], connect_timeout_s, http2=True)
+    cluster = {"name": EPP_CLUSTER, "type": "STRICT_DNS", "load_assignment": {
+        "cluster_name": EPP_CLUSTER, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _socket(address, port)}}]}]},
+        **_upstream(connect_timeout_s, http2=True)}
     cluster.update({
         # Fail-open needs Envoy to know the EPP is down before it opens a stream (once a
         # body went to a stream that then failed, full-duplex mode can only answer 503):
