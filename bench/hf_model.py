@@ -52,7 +52,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from tandem.text import ChatMessage, TextPart, encode_chat, load_tokenizer
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, running_cell
-from tandem_testing.environment import environment_lines
+from tandem_testing.environment import environment_lines, memcpy_gbps
 from tandem_testing.hf_models import smollm2_dir
 from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
@@ -199,21 +199,6 @@ class BareLevel:
         prefill = self._forward(self.inputs[0])
         return StepTimes(prefill, med(self._forward(self.inputs[-1])
                                       for _ in range(self.decode_steps)))
-
-
-def memcpy_gbps(nbytes: int, device: torch.device) -> float:
-    """Bytes copied per second between two pre-faulted buffers of ``nbytes`` (median of 5):
-    a decode step reads every weight once, so weights / this is its roofline."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / med(times[1:]) / 1e9  # the first copy faults ``dst`` in
 
 
 def bench_steps(args: argparse.Namespace, model: Transformer, prompts: list[list[int]],

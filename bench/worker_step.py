@@ -11,9 +11,13 @@ Three levels, same work:
 
 The overhead ratio is level time / bare time. Prefill also prints achieved GFLOP/s
 (2 x parameters x tokens, attention excluded) and decode the weight bytes streamed per
-second, the physical limits those phases approach. Run::
+second, the physical limits those phases approach, and the bare decode step as a fraction
+of its roofline (every weight read once, at the measured memcpy rate). A text-only model
+prefills a text prompt; ``--profile`` ends with a ``torch.profiler`` table of the bare
+decode step (docs/worker.md). Run::
 
     python bench/worker_step.py --model small --prompt-tokens 512 --batch 8
+    python bench/worker_step.py --model smollm2 --batch 16 --context 300 --levels bare,runner
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tandem.features import MultiModalKwargsItem
 from tandem.shm import ShmWriter
 from tandem.text.byte_tokenizer import BOS_ID
 from tandem.v1 import worker_pb2_grpc
+from tandem_testing.environment import memcpy_gbps
 from tandem_testing.scripted import (
     ScriptedRequest,
     ScriptedScheduler,
@@ -125,14 +130,20 @@ class BareLevel:
 
 
 def images(model: Transformer) -> list[tuple[str, MultiModalKwargsItem]]:
+    """Two images for a model with a vision tower, none for a text-only one."""
+    if not model.config.has_vision:
+        return []
     return [(f"img-{i}", synthetic_image(model.config, IMAGE_GRID, IMAGE_GRID, seed=i))
             for i in range(2)]
 
 
 def prefill_request(args: argparse.Namespace, model: Transformer, rid: str,
                     writer: ShmWriter | None) -> ScriptedRequest:
-    """~prompt_tokens with two images, one output token; address items when ``writer``."""
+    """~prompt_tokens with the model's images (``images``), one output token; address items
+    when ``writer``."""
     imgs = images(model)
+    if not imgs:
+        return ScriptedRequest(rid, [BOS_ID] + [ord("x")] * (args.prompt_tokens - 1), [], 1)
     n_image = model.config.num_image_tokens(IMAGE_GRID, IMAGE_GRID)
     text = "x" * max(1, (args.prompt_tokens - 2 * n_image - 1) // 3)
     tokens, features = synthetic_prompt(model.config, [text, text, text], imgs)
@@ -144,7 +155,8 @@ def prefill_request(args: argparse.Namespace, model: Transformer, rid: str,
 
 
 def decode_requests(args: argparse.Namespace, tag: str) -> list[ScriptedRequest]:
-    tokens = [BOS_ID] + [ord("a") + i % 26 for i in range(63)]
+    """args.batch requests of args.context prompt tokens each (the decode steps' context)."""
+    tokens = [BOS_ID] + [ord("a") + i % 26 for i in range(args.context - 1)]
     return [ScriptedRequest(f"{tag}-{b}", tokens, [], max_new_tokens=args.decode_steps + 1)
             for b in range(args.batch)]
 
@@ -175,16 +187,27 @@ def print_environment(model: Transformer, device: torch.device) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default="small",
+                        help="a preset, a model directory, or 'smollm2' (SmolLM2-135M-Instruct, "
+                        "made once into .cache/)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64,
+                        help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--levels", default="bare,runner,grpc",
+                        help="comma-separated subset of bare, runner, grpc (bare is always run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a torch.profiler table of the bare decode step")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads here and in the worker (0 = torch's default); "
                         "on a shared machine, oversubscribed OpenMP threads dominate small ops")
     args = parser.parse_args()
+    if args.model == "smollm2":
+        from tandem_testing.hf_models import smollm2_dir  # imports transformers the first time
+        args.model = str(smollm2_dir())
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the spawned worker
         torch.set_num_threads(args.threads)
@@ -192,33 +215,44 @@ def main() -> None:
     device = resolve_device(args.device)
     model = load_model(args.model, device, compute_dtype(device))
     shm_dir = tempfile.mkdtemp(prefix="tandem-bench-")
+    # The scripted scheduler never reuses a block: room for every round of every level.
+    per_round = (-(-args.prompt_tokens // BLOCK_SIZE) + 1
+                 + args.batch * -(-(args.context + args.decode_steps + 1) // BLOCK_SIZE))
+    kv_bytes = (args.reps + 2) * 3 * per_round * model.config.kv_bytes_per_block(
+        BLOCK_SIZE, compute_dtype(device).itemsize)
     config = WorkerConfig(model=args.model, shm_dir=shm_dir, device=args.device,
-                          block_size=BLOCK_SIZE, kv_cache_bytes=256 << 20)
+                          block_size=BLOCK_SIZE, kv_cache_bytes=max(kv_bytes, 256 << 20))
     model.setup_caches(kv_cache_blocks(config, model.config, device, compute_dtype(device)),
                        BLOCK_SIZE)
     runner = StepRunner(model, receiver=None)
     print_environment(model, device)
 
-    proc = start_worker(config)
-    try:
-        with grpc.insecure_channel(f"unix://{config.socket_path}") as ch, ShmWriter(
-                Path(shm_dir) / SEGMENT, 64 << 20, 1, 16 << 20) as writer:
-            stub = worker_pb2_grpc.WorkerStub(ch)
+    wanted = args.levels.split(",")
+    bare = BareLevel(args, model, runner)
+    levels: dict[str, Level] = {"bare": bare}
+    if "runner" in wanted:
+        levels["runner"] = StepLevel(args, model, "runner", runner.step)
+    if "grpc" not in wanted:
+        rounds = run_rounds(args, levels)
+    else:
+        proc = start_worker(config)
+        try:
+            with grpc.insecure_channel(f"unix://{config.socket_path}") as ch, ShmWriter(
+                    Path(shm_dir) / SEGMENT, 64 << 20, 1, 16 << 20) as writer:
+                stub = worker_pb2_grpc.WorkerStub(ch)
 
-            def grpc_step(s: StepInput) -> StepOutput:
-                return step_output_from_proto(stub.Step(step_to_proto(s), timeout=600))
+                def grpc_step(s: StepInput) -> StepOutput:
+                    return step_output_from_proto(stub.Step(step_to_proto(s), timeout=600))
 
-            levels: dict[str, Level] = {
-                "bare": BareLevel(args, model, runner),
-                "runner": StepLevel(args, model, "runner", runner.step),
-                "grpc": StepLevel(args, model, "grpc", grpc_step, (SEGMENT, writer.generation),
-                                  writer),
-            }
-            rounds = run_rounds(args, levels)
-    finally:
-        proc.terminate()
-        proc.join(30)
-    report(args, model, rounds)
+                levels["grpc"] = StepLevel(args, model, "grpc", grpc_step,
+                                           (SEGMENT, writer.generation), writer)
+                rounds = run_rounds(args, levels)
+        finally:
+            proc.terminate()
+            proc.join(30)
+    report(args, model, rounds, memcpy_gbps(256 << 20, device))
+    if args.profile:
+        print_profile(bare)
 
 
 Level = StepLevel | BareLevel
@@ -234,8 +268,10 @@ def run_rounds(args: argparse.Namespace, levels: dict[str, Level]) -> list[Round
     return rounds[1:]
 
 
-def report(args: argparse.Namespace, model: Transformer, rounds: list[Round]) -> None:
-    """Medians per level, and medians of the per-round ratios to the bare level."""
+def report(args: argparse.Namespace, model: Transformer, rounds: list[Round],
+           copy_gbps: float) -> None:
+    """Medians per level, medians of the per-round ratios to the bare level, and the bare
+    decode step against its roofline (weights / memcpy rate)."""
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = len(prefill_request(args, model, "n", None).token_ids)
@@ -252,6 +288,24 @@ def report(args: argparse.Namespace, model: Transformer, rounds: list[Round]) ->
     print(f"\nprefill: one step of {prompt} tokens with 2 images of {IMAGE_GRID}x{IMAGE_GRID} "
           f"patches (encoder included); decode: {args.batch} requests, one token each per "
           f"step; {len(rounds)} interleaved rounds, ratios are medians of per-round ratios")
+    bound = weight_bytes / copy_gbps / 1e9
+    bare = statistics.median(r["bare"][1] for r in rounds)
+    print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights per decode step at the memcpy rate "
+          f"{copy_gbps:.1f} GB/s = {bound * 1e3:.1f} ms; the bare decode step "
+          f"({args.context}-token contexts) is {bound / bare:.2f} of it")
+
+
+def print_profile(bare: BareLevel) -> None:
+    """Where a bare decode step's time goes: ops by self CPU time over 5 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU],
+                                         record_shapes=True) as prof:
+        for _ in range(5):
+            bare.model(bare.decode_inputs)
+    print(prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40,
+        max_shapes_column_width=60))
 
 
 if __name__ == "__main__":

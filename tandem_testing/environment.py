@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import google.protobuf
@@ -27,6 +29,21 @@ def environment_lines() -> list[str]:
     hardware = (f"cpu {_cpu_model()} x{os.cpu_count()}  L3 {l3}  THP {_thp()}  "
                 f"load average {load} (1/5/15 min)")
     return [software, hardware]
+
+
+def memcpy_gbps(nbytes: int, device: torch.device) -> float:
+    """Bytes copied per second between two pre-faulted buffers of ``nbytes`` (median of 5):
+    a decode step reads every weight once, so weights / this is its roofline."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9  # the first copy faults ``dst`` in
 
 
 def _cpu_model() -> str:

@@ -85,7 +85,8 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
         positions=torch.cat(positions, dim=1).to(device, non_blocking=True),
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
         seqs=seqs,
-        decode=_decode_batch(decode_rows, decode_tables, decode_lengths, block_size, device),
+        decode=_decode_batch(decode_rows, decode_tables, decode_lengths, block_size, device,
+                             encoder_cache.dtype),
         mm_index=(torch.cat(mm_index) if mm_index else torch.empty(0, dtype=torch.int64)).to(
             device, non_blocking=True),
         mm_embeds=(torch.cat(mm_embeds) if mm_embeds
@@ -96,24 +97,24 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
 
 
 def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
-                  block_size: int, device: torch.device) -> DecodeBatch | None:
-    """Single-token sequences: each context is slots 0..length-1 through its block table
-    (``RequestState.slot_ids``, for the whole batch at once), padded to the longest (the
-    padding, masked, reads whatever slot the padded table names)."""
+                  block_size: int, device: torch.device,
+                  dtype: torch.dtype) -> DecodeBatch | None:
+    """Single-token sequences: each context is the blocks holding slots 0..length-1,
+    padded to the longest (the padding, masked, reads whatever block the padded table
+    names). The mask is additive float, built once per step: a bool mask would be
+    converted by every layer's attention."""
     if not rows:
         return None
-    longest = max(lengths)
-    width = -(-longest // block_size)
+    width = -(-max(lengths) // block_size)
     padded = torch.tensor([(t + [0] * width)[:width] for t in tables],
-                          dtype=torch.int64)  # (B, blocks)
-    offsets = torch.arange(block_size)
-    kv_index = (padded[:, :, None] * block_size + offsets).reshape(len(rows), -1)[:, :longest]
-    kv_index = kv_index.contiguous()  # (B, S); the model views it flat
-    mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+                          dtype=torch.int64)  # (B, N)
+    keys = torch.arange(width * block_size)[None, :]  # (1, N * block_size)
+    mask = torch.zeros(len(rows), width * block_size).masked_fill_(
+        keys >= torch.tensor(lengths)[:, None], float("-inf"))  # (B, N * block_size)
     return DecodeBatch(
         rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-        kv_index=kv_index.to(device, non_blocking=True),
-        mask=mask[:, None, None, :].to(device, non_blocking=True),  # (B, 1, 1, S)
+        block_table=padded.to(device, non_blocking=True),
+        mask=mask[:, None, None, :].to(device, dtype, non_blocking=True),  # (B, 1, 1, S)
     )
 
 
