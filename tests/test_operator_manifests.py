@@ -77,7 +77,8 @@ def every_manifest() -> list[dict[str, Any]]:
             build_cleanup_job(spec, 1, "gpu-7", generation=4), pod,
             build_service(spec, front="envoy"), build_workers_service(spec),
             build_epp_configmap(spec, cells), build_epp_deployment(spec, cells),
-            build_epp_service(spec), build_envoy_configmap(spec), build_envoy_deployment(spec)]
+            build_epp_service(spec), build_envoy_configmap(spec, cells),
+            build_envoy_deployment(spec, cells)]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -379,7 +380,7 @@ def test_picker_envoy_and_cleanup_containers_are_locked_down() -> None:
     assert c["securityContext"] == HARDENED
     assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     assert epp["volumes"] == [{"name": "tmp", "emptyDir": {}}]
-    [envoy] = build_envoy_deployment(spec)["spec"]["template"]["spec"]["containers"]
+    [envoy] = build_envoy_deployment(spec, [CELL])["spec"]["template"]["spec"]["containers"]
     assert envoy["securityContext"] == HARDENED
     [rm] = build_cleanup_job(spec, 1, "gpu-7")["spec"]["template"]["spec"]["containers"]
     ctx = rm["securityContext"]  # root: the cell directory lies in a root-owned 0755 one
@@ -450,7 +451,8 @@ def children(spec: Any, cell: Cell) -> list[dict[str, Any]]:
             build_statefulset(spec, cell, "worker"), build_service(spec),
             build_service(spec, headless=True), build_workers_service(spec),
             build_epp_configmap(spec, [cell]), build_epp_deployment(spec, [cell]),
-            build_epp_service(spec), build_envoy_configmap(spec), build_envoy_deployment(spec),
+            build_epp_service(spec), build_envoy_configmap(spec, [cell]),
+            build_envoy_deployment(spec, [cell]),
             build_cleanup_job(spec, cell.index, cell.node),
             build_cleanup_job(spec, cell.index, cell.node, generation=10 ** 6)]
 
