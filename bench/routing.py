@@ -59,12 +59,13 @@ from tandem_cli.gateway import (
     start_envoy,
     stop_envoy,
     wait_envoy_ready,
+    write_cells,
 )
+from tandem_operator.envoy import CELL_HEADER  # the serving cell, where the path names it
 from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 PROMPT = "Describe <image> in a few words."
 BLOCK_SIZE = 16
-CELL_HEADER = "x-tandem-cell"  # the serving cell, where the path names it
 # (request index, request) -> (the cell that served it, its usage, its TTFT in seconds)
 Send = Callable[[int, generate_pb2.GenerateRequest], tuple[str, generate_pb2.Usage, float]]
 
@@ -186,7 +187,8 @@ def round_robin_envoy(cells: list[Cell], tmp: Path) -> Iterator[generate_pb2_grp
                            free_port(), fail_open=True)
     workdir = tmp / "envoy-rr"
     workdir.mkdir()
-    proc = start_envoy(gateway_bootstrap(config, free_port(), endpoints), workdir)
+    write_cells(workdir / "cells", endpoints)
+    proc = start_envoy(gateway_bootstrap(config, free_port(), workdir / "cells"), workdir)
     channel = grpc.insecure_channel(config.listen)
     try:
         wait_envoy_ready(proc, config.admin_port, workdir)
