@@ -52,6 +52,7 @@ from router_svc.balancer import Balancer
 from router_svc.epp import CellEndpoint
 from router_svc.epp_server import EppConfig
 from router_svc.routing_key import routing_key
+from tandem.cell_stats import CELL_HEADER  # the serving cell, where the path names it
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tandem_cli.gateway import (
     GatewayConfig,
@@ -61,7 +62,6 @@ from tandem_cli.gateway import (
     wait_envoy_ready,
     write_cells,
 )
-from tandem_operator.envoy import CELL_HEADER  # the serving cell, where the path names it
 from tandem_testing.cells import Cell, free_port, png, request, running_cell
 
 PROMPT = "Describe <image> in a few words."

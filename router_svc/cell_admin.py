@@ -21,11 +21,10 @@ from collections.abc import Callable
 import grpc
 
 from router_svc.cell_pool import CellPool
-from tandem.cell_stats import Metadata, aggregate, per_cell_metadata
+from tandem.cell_stats import CELL_HEADER, Metadata, aggregate, per_cell_metadata
 from tandem.errors import Unavailable
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
-CELL_HEADER = "x-tandem-cell"
 ADMIN_TIMEOUT_S = 10.0
 
 

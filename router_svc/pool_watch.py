@@ -175,7 +175,7 @@ async def reflect(client: KubeClient, path: str, params: Mapping[str, str], what
 
 def _describe(exc: Exception) -> str:
     if isinstance(exc, KubeError) and exc.status in (401, 403):
-        return (f"{exc} (the picker's service account needs get, list and watch on pods "
+        return (f"{exc} (the picker's service account needs list and watch on pods "
                 "and inferencepools: docs/operator.md)")
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         return f"the API server is unreachable ({exc})"

@@ -24,6 +24,9 @@ from tandem.v1 import generate_pb2
 
 STATS_KEY = "tandem-cell-stats-bin"
 UNREACHABLE_KEY = "tandem-cell-unreachable"
+# The cell that answered, in front of many cells: the gateway's response headers (gRPC
+# initial metadata), GetModelInfo's trailing metadata.
+CELL_HEADER = "x-tandem-cell"
 MIXED = "mixed"
 
 Stats = generate_pb2.CacheStatsResponse

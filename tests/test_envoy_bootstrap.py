@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from pki import make_pki
 
+from tandem.cell_stats import CELL_HEADER
 from tandem_cli.gateway import envoy_binary
 from tandem_operator.envoy import (
-    CELL_HEADER,
     DESTINATION_HEADER,
     EPP_CLUSTER,
     EXT_PROC_SERVICE,

@@ -30,7 +30,6 @@ from otlp_receiver import OtlpReceiver
 from pki import make_pki
 
 from router_svc import ext_proc_pb2 as ext_proc
-from router_svc.cell_admin import CELL_HEADER
 from router_svc.epp import (
     DESTINATION_HEADER,
     FALLBACK_KEY,
@@ -46,6 +45,7 @@ from router_svc.epp import (
 from router_svc.epp_server import READINESS, EppConfig
 from router_svc.ring import HashRing
 from router_svc.routing_key import routing_key
+from tandem.cell_stats import CELL_HEADER
 from tandem.errors import error_info
 from tandem.tls import TlsFiles
 from tandem.v1 import generate_pb2, generate_pb2_grpc

@@ -45,12 +45,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.cell_stats import CELL_HEADER
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 DESTINATION_NAMESPACE = "envoy.lb"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 FALLBACKS_KEY = "x-gateway-destination-endpoint-fallbacks"
-CELL_HEADER = "x-tandem-cell"
 EPP_CLUSTER = "tandem-epp"
 GRPC_CELLS_CLUSTER = "tandem-cells-grpc"
 HTTP_CELLS_CLUSTER = "tandem-cells-http"
@@ -275,8 +276,7 @@ def _listener_tls(tls: ListenerTls) -> dict[str, Any]:
     # Both ALPN protocols: gRPC clients ask for h2, the OpenAI API's for http/1.1.
     context: dict[str, Any] = {
         "alpn_protocols": ["h2", "http/1.1"],
-        "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
-                              "private_key": {"filename": tls.key}}],
+        "tls_certificates": _certificates(tls.cert, tls.key),
     }
     if tls.client_ca:
         context["validation_context"] = {"trusted_ca": {"filename": tls.client_ca}}
@@ -421,6 +421,10 @@ def _tls_context(tls: UpstreamTls, alpn: str) -> dict[str, Any]:
     if tls.cert or tls.key:
         if not (tls.cert and tls.key):
             raise ValueError("an upstream client certificate needs both cert and key")
-        context["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert},
-                                        "private_key": {"filename": tls.key}}]
+        context["tls_certificates"] = _certificates(tls.cert, tls.key)
     return context
+
+
+def _certificates(cert: str, key: str) -> list[dict[str, Any]]:
+    """A certificate chain and its key, PEM files, as Envoy's TLS contexts take them."""
+    return [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
