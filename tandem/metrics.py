@@ -73,6 +73,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "tandem_steps_total": (COUNTER, "Steps run by this worker"),
     "tandem_shm_resolved_total": (COUNTER, "Segment descriptors whose payload this worker read"),
     "tandem_shm_acked_total": (COUNTER, "Segment descriptors this worker acknowledged"),
+    "tandem_torch_threads":
+        (GAUGE, "Threads of this worker's torch team now (fewer while they wait for CPUs)"),
     # The model-server protocol of the Gateway API Inference Extension, under the vLLM names a
     # stock endpoint picker reads by default (docs/routing.md, "Gateway API Inference
     # Extension"); the tandem_* metrics above stay the cell's own account.

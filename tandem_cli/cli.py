@@ -329,6 +329,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=threads_arg, default=_env("TORCH_THREADS", "0"),
                    help="torch threads of each worker (0: the CPUs the process may use, "
                         "capped by its container's CPU quota; serve: shared by its workers)")
+    p.add_argument("--adapt-torch-threads", action=argparse.BooleanOptionalAction,
+                   default=_bool_env("ADAPT_TORCH_THREADS", True),
+                   help="with --torch-threads 0, run fewer threads while they wait for CPUs "
+                        "other jobs hold, and more again when those are idle")
 
 
 def _scheduler_config(args: argparse.Namespace, addresses: Sequence[str]):
@@ -374,7 +378,8 @@ def _worker_config(args: argparse.Namespace, rank: int, world_size: int, metrics
         tensor_parallel_size=args.tensor_parallel_size, tp_master_addr=tp_master[0],
         tp_master_port=tp_master[1], metrics_port=metrics_port,
         shutdown_grace_s=args.shutdown_grace,
-        threads=args.torch_threads if threads is None else threads)
+        threads=args.torch_threads if threads is None else threads,
+        adapt_threads=args.adapt_torch_threads and not args.torch_threads)
 
 
 def worker_address(shm_dir: str, rank: int) -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.cpus import cgroup_cpu_quota, usable_cpus
+from tandem_cli.cli import _worker_config, build_parser
 from worker_svc.config import WorkerConfig
 from worker_svc.server import set_thread_budget
 
@@ -54,3 +55,20 @@ def test_the_worker_takes_its_thread_budget() -> None:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="threads must be >= 0"):
         WorkerConfig(shm_dir="x", threads=-1)
+
+
+@pytest.mark.parametrize(("argv", "env", "threads", "adapt"), [
+    (["worker"], {}, 0, True),  # the automatic budget adapts by default
+    (["worker", "--torch-threads", "2"], {}, 2, False),  # an explicit count stays fixed
+    (["worker", "--no-adapt-torch-threads"], {}, 0, False),
+    (["worker"], {"TANDEM_ADAPT_TORCH_THREADS": "0"}, 0, False),
+    (["serve"], {}, 2, True),  # serve's share of the CPUs is a budget too
+])
+def test_only_an_automatic_thread_budget_adapts(monkeypatch: pytest.MonkeyPatch,
+                                                argv: list[str], env: dict[str, str],
+                                                threads: int, adapt: bool) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(argv)
+    config = _worker_config(args, 0, 1, 0, threads=2 if argv == ["serve"] else None)
+    assert (config.threads, config.adapt_threads) == (threads, adapt)

@@ -28,6 +28,9 @@ class WorkerConfig:
     tp_master_addr: str = "127.0.0.1"  # host of worker 0, where the TP ranks meet
     tp_master_port: int = 29500
     threads: int = 0  # torch intra-op threads; 0: every CPU the process may use (tandem.cpus)
+    # fewer while they wait for CPUs other jobs hold, back up to ``threads`` when those are
+    # idle again (worker_svc/thread_team.py); the CLI keeps an explicit --torch-threads fixed
+    adapt_threads: bool = True
     # SIGTERM: steps of a scheduler still streaming run this long (tandem.shutdown)
     shutdown_grace_s: float = DEFAULT_GRACE_S
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from worker_svc.step import DeferredMasks, StepInput, StepOutput
 from worker_svc.step_codec import step_from_proto, step_output_to_proto
 from worker_svc.step_telemetry import StepTelemetry
 from worker_svc.tensor_parallel import GroupLost, join_group, leave_group, rank_device
+from worker_svc.thread_team import ThreadTeam
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ``ErrorMappingInterceptor``, never here.
     """
 
-    def __init__(self, config: WorkerConfig, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, config: WorkerConfig, executor: ThreadPoolExecutor,
+                 team: ThreadTeam) -> None:
         self.config = config
         self.executor = executor
+        self.team = team  # the step thread's torch threads, resized between steps
         self.ready = asyncio.Event()  # set once the model is loaded and warmed up
         self.runner: StepRunner | None = None
         self.describe = worker_pb2.DescribeResponse()
@@ -267,9 +271,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return step_output_to_proto(self._run_step(step_from_proto(request)))
 
     def _run_step(self, step: StepInput) -> StepOutput:
-        """Run one step (on the step thread)."""
+        """Run one step (on the step thread), then let the torch team follow the CPUs."""
         assert self.runner is not None
-        return self.telemetry.run(step, self.runner.step)
+        started = time.monotonic()
+        try:
+            return self.telemetry.run(step, self.runner.step)
+        finally:
+            self.team.after_step(time.monotonic() - started, (
+                step.total_num_scheduled_tokens, len(step.num_scheduled_tokens)))
 
     def close(self) -> None:
         if self.runner is not None and self.runner.receiver is not None:
@@ -342,9 +351,11 @@ def set_thread_budget(config: WorkerConfig) -> int:
 async def create_server(config: WorkerConfig) -> RunningWorker:
     """Start serving now (health NOT_SERVING); load and warm up in the background."""
     threads = set_thread_budget(config)
-    log.info("worker %d: %d torch threads", config.rank, threads)
+    adaptive = config.adapt_threads and threads > 1
+    log.info("worker %d: %d torch threads%s", config.rank, threads,
+             ", fewer while they wait for CPUs" if adaptive else "")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
-    servicer = WorkerServicer(config, executor)
+    servicer = WorkerServicer(config, executor, ThreadTeam(threads, adaptive, rank=config.rank))
     server = GrpcServer.create(SERVICE_NAME, [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", MAX_SEND_BYTES)], trace_calls=False)
@@ -356,6 +367,7 @@ async def create_server(config: WorkerConfig) -> RunningWorker:
     if config.metrics_port:
         registry = CollectorRegistry()
         registry.register(SnapshotCollector(servicer.telemetry.metric_values))
+        registry.register(SnapshotCollector(servicer.team.metric_values))
         registry.register(servicer.telemetry.mask_wait)
         metrics = await MetricsEndpoint.start(registry, config.metrics_port)
     return RunningWorker(config, server, addresses, servicer, executor, warmup, metrics)
