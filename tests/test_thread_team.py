@@ -203,34 +203,40 @@ def test_the_new_size_takes_effect_for_the_step_threads_openmp_team() -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a team of one")
-def test_a_process_spinning_on_one_cpu_shrinks_a_torch_loops_team() -> None:
+def test_a_process_spinning_on_one_cpu_puts_a_smaller_team_on_trial() -> None:
     """A worker-like torch loop with two threads on two CPUs, and a process spinning on
-    one of them: the team shrinks to one within a few windows."""
+    one of them: the threads' run-queue delay is seen, and one thread fewer is tried
+    within a few windows. (Whether it is kept depends on what else holds the other CPU:
+    the policy's tests judge that on recorded numbers; docs/benchmarks.md measures it.)"""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, "
                             f"{{{cpus[0]}}})\nwhile True: pass"])
-    try:
-        def loop() -> int:
-            os.sched_setaffinity(0, cpus)  # this thread and the OpenMP pool it starts
-            torch.set_num_threads(2)
-            team = ThreadTeam(2, True, window_s=0.25, reader=ProcReader(cpus=cpus).read,
-                              set_threads=torch.set_num_threads)
-            x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
-            deadline = time.monotonic() + 10
-            while (team.size == 2 or team.policy.trying) and time.monotonic() < deadline:
-                started = time.monotonic()
-                for _ in range(10):
-                    x = torch.tanh(x @ w)
-                team.after_step(time.monotonic() - started, DECODE)
-            return team.size
+    calls: list[int] = []
 
-        before = torch.get_num_threads()
-        result: list[int] = []
-        step_thread = threading.Thread(target=lambda: result.append(loop()))
+    def set_threads(n: int) -> None:
+        calls.append(n)
+        torch.set_num_threads(n)
+
+    def loop() -> None:
+        os.sched_setaffinity(0, cpus)  # this thread and the OpenMP pool it starts
+        torch.set_num_threads(2)
+        team = ThreadTeam(2, True, window_s=0.25, reader=ProcReader(cpus=cpus).read,
+                          set_threads=set_threads)
+        x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            started = time.monotonic()
+            for _ in range(10):
+                x = torch.tanh(x @ w)
+            team.after_step(time.monotonic() - started, DECODE)
+
+    before = torch.get_num_threads()
+    try:
+        step_thread = threading.Thread(target=loop)
         step_thread.start()
         step_thread.join()
-        torch.set_num_threads(before)
     finally:
+        torch.set_num_threads(before)
         hog.kill()
         hog.wait()
-    assert result == [1]
+    assert calls == [1]
