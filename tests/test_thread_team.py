@@ -21,6 +21,7 @@ from worker_svc.thread_team import (
     TeamPolicy,
     ThreadTeam,
     Window,
+    time_ratio,
     window_between,
 )
 
@@ -32,14 +33,14 @@ DECODE = (1, 1)
 
 def win(ran: float, waited: float, idle: float, steps: int, step_s: float,
         shape: tuple[int, int] = DECODE) -> Window:
-    return Window(1.0, steps * step_s, ran, waited, idle, {shape: (steps, steps * step_s)})
+    return Window(1.0, steps * step_s, ran, waited, idle, {shape: [step_s] * steps})
 
 
 HOG_TWO = win(1.5, 0.5, 0.0, 3, 0.33)  # two threads beside a hog: one shares its core
 QUIET_TWO = win(1.9, 0.05, 0.0, 8, 0.12)
 HOG_ONE = win(0.9, 0.05, 0.1, 7, 0.13)  # one thread beside the hog: no CPU to grow into
 QUIET_ONE = win(0.9, 0.05, 0.9, 7, 0.13)  # one thread, the hog gone
-IDLE = Window(1.0, 0.1, 0.1, 0.05, 1.9, {DECODE: (1, 0.1)})  # the worker barely stepped
+IDLE = Window(1.0, 0.1, 0.1, 0.05, 1.9, {DECODE: [0.1]})  # the worker barely stepped
 BUSY_TWO = win(1.6, 0.4, 0.0, 8, 0.12, (16, 16))  # 16 clients: the cell's own scheduler
 BUSY_ONE = win(0.9, 0.1, 0.3, 6, 0.17, (16, 16))  # ... where one thread is slower
 
@@ -119,7 +120,7 @@ def test_the_reader_sums_threads_and_the_affinity_cpus_idle_time(tmp_path: Path)
     assert reading.idle_s == pytest.approx(550 * tick)
     later = Reading(reading.at + 2.0, {10: (6000, 1700), 11: (2000, 300), 13: (500, 500)},
                     reading.idle_s + 1.0)  # thread 13 started since: counted whole
-    w = window_between(reading, later, {DECODE: (3, 1.5)})
+    w = window_between(reading, later, {DECODE: [0.5, 0.5, 0.5]})
     assert (w.wall_s, w.busy_s, w.idle_cpus) == (pytest.approx(2.0), 1.5, pytest.approx(0.5))
     assert (w.ran_s, w.waited_s) == (pytest.approx(1500e-9), pytest.approx(1500e-9))
     assert w.waiting == pytest.approx(0.5)
@@ -240,3 +241,12 @@ def test_a_process_spinning_on_one_cpu_puts_a_smaller_team_on_trial() -> None:
         hog.kill()
         hog.wait()
     assert calls == [1]
+
+
+def test_a_trial_is_judged_on_each_shapes_median_and_steps_with_tokens() -> None:
+    """A slow first step of a shape, or a release-only step, is no evidence: by means this
+    trial would say 0.06x."""
+    baseline = {DECODE: [0.1, 0.1, 5.0], (0, 0): [2.0]}
+    assert time_ratio({DECODE: [0.1, 0.1, 0.1], (0, 0): [0.0, 0.0]}, baseline,
+                      3) == pytest.approx(1.0)
+    assert time_ratio({DECODE: [0.1], (0, 0): [0.0] * 5}, baseline, 3) is None

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -47,13 +48,12 @@ log = logging.getLogger(__name__)
 PROC = Path("/proc")
 
 Shape = tuple[int, int]  # a step's scheduled tokens and requests
-Steps = Mapping[Shape, tuple[int, float]]  # shape -> (steps, seconds)
+Steps = Mapping[Shape, list[float]]  # shape -> the seconds each step of that shape took
 
 
-def merge_steps(into: dict[Shape, tuple[int, float]], steps: Steps) -> None:
-    for shape, (n, s) in steps.items():
-        n0, s0 = into.get(shape, (0, 0.0))
-        into[shape] = (n0 + n, s0 + s)
+def merge_steps(into: dict[Shape, list[float]], steps: Steps) -> None:
+    for shape, seconds in steps.items():
+        into.setdefault(shape, []).extend(seconds)
 
 
 @dataclass(frozen=True)
@@ -75,19 +75,22 @@ class Window:
 
 
 def time_ratio(trial: Steps, baseline: Steps, least: int) -> float | None:
-    """Time the trial's steps took over the time steps of the same shapes took before (in
-    the trial's numbers); None when fewer than ``least`` of its steps have a match."""
-    matched = [(n, s, baseline[k]) for k, (n, s) in trial.items() if k in baseline]
+    """Time the trial's steps took over the time steps of the same shapes took before, each
+    shape at its median (a slow first step of a shape is no evidence) and in the trial's
+    numbers; steps without tokens (releases only) do not count. None when fewer than
+    ``least`` of the trial's steps have a match."""
+    matched = [(len(ts), median(ts), median(baseline[k])) for k, ts in trial.items()
+               if k[0] > 0 and k in baseline]
     if sum(n for n, _, _ in matched) < least:
         return None
-    return sum(s for _, s, _ in matched) / sum(n * s0 / n0 for n, _, (n0, s0) in matched)
+    return sum(n * t for n, t, _ in matched) / sum(n * b for n, _, b in matched)
 
 
 @dataclass
 class _Trial:
     by: int  # -1: one thread fewer; +1: one more
-    baseline: dict[Shape, tuple[int, float]]  # steps at the size before
-    seen: dict[Shape, tuple[int, float]] = field(default_factory=dict)
+    baseline: dict[Shape, list[float]]  # steps at the size before
+    seen: dict[Shape, list[float]] = field(default_factory=dict)
     windows: int = 0
 
 
@@ -147,7 +150,7 @@ class TeamPolicy:
             else:
                 self._evidence[by].clear()
             if self._runs[by] >= self.needed[by]:
-                baseline: dict[Shape, tuple[int, float]] = {}
+                baseline: dict[Shape, list[float]] = {}
                 for steps in self._evidence[by]:
                     merge_steps(baseline, steps)
                 self._trial = _Trial(by, baseline)
@@ -234,7 +237,7 @@ def window_between(a: Reading, b: Reading, steps: Steps) -> Window:
         r0, w0 = a.threads.get(tid, (0, 0))
         ran, waited = ran + r - r0, waited + w - w0
     wall = b.at - a.at
-    return Window(wall_s=wall, busy_s=sum(s for _, s in steps.values()), ran_s=ran / 1e9,
+    return Window(wall_s=wall, busy_s=sum(map(sum, steps.values())), ran_s=ran / 1e9,
                   waited_s=waited / 1e9, idle_cpus=(b.idle_s - a.idle_s) / max(wall, 1e-9),
                   steps=steps)
 
@@ -264,14 +267,14 @@ class ThreadTeam:
         self._set_threads = set_threads
         self._adaptive = adaptive and budget > 1
         self._start: Reading | None = None
-        self._steps: dict[Shape, tuple[int, float]] = {}
+        self._steps: dict[Shape, list[float]] = {}
         self._before_trial = budget
 
     def after_step(self, step_s: float, shape: Shape) -> None:
         """A step of ``step_s`` seconds and ``shape`` ended; at a window's end, resize."""
         if not self._adaptive:
             return
-        merge_steps(self._steps, {shape: (1, step_s)})
+        self._steps.setdefault(shape, []).append(step_s)
         if self._start is not None and time.monotonic() - self._start.at < self.window_s:
             return
         try:
@@ -286,6 +289,9 @@ class ThreadTeam:
             window = window_between(self._start, now, self._steps)
             trying = self.policy.trying
             size = self.policy.decide(window)
+            log.debug("worker %d: %.2f s window, %.2f s stepping, waiting %.0f%% of runnable "
+                      "time, %.1f CPUs idle; %d -> %d threads", self.rank, window.wall_s,
+                      window.busy_s, 100 * window.waiting, window.idle_cpus, self.size, size)
             if self.policy.trying and not trying:
                 self._before_trial = self.size
                 log.debug("worker %d: trying %d torch threads (waiting %.0f%% of runnable "
