@@ -11,6 +11,7 @@ import grpc
 import pytest
 from otlp_receiver import OtlpReceiver
 
+from tandem.cpus import usable_cpus
 from tandem.v1 import generate_pb2
 from tandem_cli.cli import main
 from tandem_cli.traces_view import Span, read_spans
@@ -179,6 +180,7 @@ def test_metrics_moved_by_the_scenario(scenario: Scenario) -> None:
     assert worker["tandem_shm_resolved_total"] == 1  # the second request's item was covered
     assert worker["tandem_shm_acked_total"] == 2
     assert worker["tandem_steps_total"] >= 2
+    assert 1 <= worker["tandem_torch_threads"] <= usable_cpus()  # the team now, in its budget
 
 
 def test_tandem_traces_renders_both_requests(scenario: Scenario,
