@@ -51,6 +51,7 @@ from tandem_testing.scripted import (
 )
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu_linear import pack_linears
 from worker_svc.model import ModelInputs, Transformer
 from worker_svc.runner import StepRunner
 from worker_svc.server import kv_cache_blocks, serve
@@ -172,7 +173,7 @@ def start_worker(config: WorkerConfig) -> multiprocessing.Process:
     return proc
 
 
-def print_environment(model: Transformer, device: torch.device) -> None:
+def print_environment(model: Transformer, params: int, device: torch.device) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or "default"
@@ -180,7 +181,6 @@ def print_environment(model: Transformer, device: torch.device) -> None:
     print(f"python {platform.python_version()}  torch {torch.__version__}  grpcio "
           f"{grpc.__version__}  threads {torch.get_num_threads()}  device {device}")
     print(f"cpu {cpu}  cores {os.cpu_count()}  load {load:.1f}  malloc {malloc}")
-    params = sum(p.numel() for p in model.parameters())
     print(f"model {model.config.dim}d x {model.config.n_layers} layers, "
           f"{params / 1e6:.1f}M parameters\n")
 
@@ -214,6 +214,9 @@ def main() -> None:
 
     device = resolve_device(args.device)
     model = load_model(args.model, device, compute_dtype(device))
+    # Counted before packing, which turns the linear layers' weights into opaque buffers.
+    params = sum(p.numel() for p in model.parameters())
+    pack_linears(model)  # as the worker serves it
     shm_dir = tempfile.mkdtemp(prefix="tandem-bench-")
     # The scripted scheduler never reuses a block: room for every round of every level.
     per_round = (-(-args.prompt_tokens // BLOCK_SIZE) + 1
@@ -225,7 +228,7 @@ def main() -> None:
     model.setup_caches(kv_cache_blocks(config, model.config, device, compute_dtype(device)),
                        BLOCK_SIZE)
     runner = StepRunner(model, receiver=None)
-    print_environment(model, device)
+    print_environment(model, params, device)
 
     wanted = args.levels.split(",")
     bare = BareLevel(args, model, runner)
@@ -250,7 +253,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.join(30)
-    report(args, model, rounds, memcpy_gbps(256 << 20, device))
+    report(args, model, params, rounds, memcpy_gbps(256 << 20, device))
     if args.profile:
         print_profile(bare)
 
@@ -268,12 +271,11 @@ def run_rounds(args: argparse.Namespace, levels: dict[str, Level]) -> list[Round
     return rounds[1:]
 
 
-def report(args: argparse.Namespace, model: Transformer, rounds: list[Round],
+def report(args: argparse.Namespace, model: Transformer, params: int, rounds: list[Round],
            copy_gbps: float) -> None:
     """Medians per level, medians of the per-round ratios to the bare level, and the bare
     decode step against its roofline (weights / memcpy rate)."""
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = params * model.tok_embeddings.weight.element_size()
     prompt = len(prefill_request(args, model, "n", None).token_ids)
     print(f"{'level':8}{'prefill ms':>12}{'tok/s':>10}{'GFLOP/s':>10}{'x bare':>8}"
           f"{'decode ms':>12}{'tok/s':>10}{'GB/s':>8}{'x bare':>8}")
