@@ -1,13 +1,15 @@
 """Prefill and decode tokens/s of the worker step next to the bare model on the same inputs.
 
-Three levels, same work:
+Levels, same work:
 
 * ``bare``: the vision encoder on the step's images plus ``model(inputs)`` on the
   ``ModelInputs`` captured from the runner, nothing else;
 * ``runner``: ``StepRunner.step`` in this process (validation, batch building, encoder
   cache, sampling);
 * ``grpc``: the Step RPC to a worker subprocess over its Unix socket, images delivered as
-  SHM address items (the default cache), proto conversion both ways.
+  SHM address items (the default cache), proto conversion both ways;
+* ``unpacked`` (only when asked): ``bare`` on a second copy of the model whose linear
+  layers call ``F.linear`` instead of the CPU's prepacked weights (``cpu_linear.py``).
 
 The overhead ratio is level time / bare time. Prefill also prints achieved GFLOP/s
 (2 x parameters x tokens, attention excluded) and decode the weight bytes streamed per
@@ -23,6 +25,7 @@ decode step (docs/worker.md). Run::
 from __future__ import annotations
 
 import argparse
+import copy
 import multiprocessing
 import os
 import platform
@@ -112,6 +115,12 @@ class BareLevel:
         self.prefill_inputs, self.decode_inputs = captured[0], captured[-1]
         self.pixels = [img["pixel_values"].data for _, img in images(model)]
 
+    def on(self, model: Transformer) -> BareLevel:
+        """The same captured inputs run by another copy of the model (same cache sizes)."""
+        other = copy.copy(self)
+        other.model = model
+        return other
+
     @torch.inference_mode()
     def prefill(self, _rnd: int) -> float:
         t0 = time.perf_counter()
@@ -196,7 +205,9 @@ def main() -> None:
                         help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--levels", default="bare,runner,grpc",
-                        help="comma-separated subset of bare, runner, grpc (bare is always run)")
+                        help="comma-separated subset of bare, runner, grpc, unpacked (bare "
+                        "is always run; unpacked: the bare forward without the CPU's "
+                        "prepacked linear weights)")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of the bare decode step")
     parser.add_argument("--reps", type=int, default=5)
@@ -235,6 +246,10 @@ def main() -> None:
     levels: dict[str, Level] = {"bare": bare}
     if "runner" in wanted:
         levels["runner"] = StepLevel(args, model, "runner", runner.step)
+    if "unpacked" in wanted:  # the bare forward with F.linear's weights, for the A/B
+        plain = load_model(args.model, device, compute_dtype(device))
+        plain.setup_caches(model.num_blocks, model.block_size)
+        levels["unpacked"] = bare.on(plain)
     if "grpc" not in wanted:
         rounds = run_rounds(args, levels)
     else:
