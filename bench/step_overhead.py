@@ -284,12 +284,14 @@ class Bare:
     def __init__(self, model_name: str, device_spec: str) -> None:
         from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
         from worker_svc.config import WorkerConfig
+        from worker_svc.cpu_linear import pack_linears
         from worker_svc.runner import StepRunner
         from worker_svc.server import kv_cache_blocks
 
         self.device = resolve_device(device_spec)
         dtype = compute_dtype(self.device)
         self.model = load_model(model_name, self.device, dtype)
+        pack_linears(self.model)  # as the worker serves it
         config = WorkerConfig(model=model_name, shm_dir="/nonexistent", block_size=BLOCK_SIZE,
                               kv_cache_bytes=KV_BYTES)
         self.model.setup_caches(kv_cache_blocks(config, self.model.config, self.device, dtype),

@@ -1,13 +1,15 @@
 """Prefill and decode tokens/s of the worker step next to the bare model on the same inputs.
 
-Three levels, same work:
+Levels, same work:
 
 * ``bare``: the vision encoder on the step's images plus ``model(inputs)`` on the
   ``ModelInputs`` captured from the runner, nothing else;
 * ``runner``: ``StepRunner.step`` in this process (validation, batch building, encoder
   cache, sampling);
 * ``grpc``: the Step RPC to a worker subprocess over its Unix socket, images delivered as
-  SHM address items (the default cache), proto conversion both ways.
+  SHM address items (the default cache), proto conversion both ways;
+* ``unpacked`` (only when asked): ``bare`` on a second copy of the model whose linear
+  layers call ``F.linear`` instead of the CPU's prepacked weights (``cpu_linear.py``).
 
 The overhead ratio is level time / bare time. Prefill also prints achieved GFLOP/s
 (2 x parameters x tokens, attention excluded) and decode the weight bytes streamed per
@@ -23,6 +25,7 @@ decode step (docs/worker.md). Run::
 from __future__ import annotations
 
 import argparse
+import copy
 import multiprocessing
 import os
 import platform
@@ -51,6 +54,7 @@ from tandem_testing.scripted import (
 )
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu_linear import pack_linears
 from worker_svc.model import ModelInputs, Transformer
 from worker_svc.runner import StepRunner
 from worker_svc.server import kv_cache_blocks, serve
@@ -110,6 +114,12 @@ class BareLevel:
             hook.remove()
         self.prefill_inputs, self.decode_inputs = captured[0], captured[-1]
         self.pixels = [img["pixel_values"].data for _, img in images(model)]
+
+    def on(self, model: Transformer) -> BareLevel:
+        """The same captured inputs run by another copy of the model (same cache sizes)."""
+        other = copy.copy(self)
+        other.model = model
+        return other
 
     @torch.inference_mode()
     def prefill(self, _rnd: int) -> float:
@@ -172,7 +182,7 @@ def start_worker(config: WorkerConfig) -> multiprocessing.Process:
     return proc
 
 
-def print_environment(model: Transformer, device: torch.device) -> None:
+def print_environment(model: Transformer, params: int, device: torch.device) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or "default"
@@ -180,7 +190,6 @@ def print_environment(model: Transformer, device: torch.device) -> None:
     print(f"python {platform.python_version()}  torch {torch.__version__}  grpcio "
           f"{grpc.__version__}  threads {torch.get_num_threads()}  device {device}")
     print(f"cpu {cpu}  cores {os.cpu_count()}  load {load:.1f}  malloc {malloc}")
-    params = sum(p.numel() for p in model.parameters())
     print(f"model {model.config.dim}d x {model.config.n_layers} layers, "
           f"{params / 1e6:.1f}M parameters\n")
 
@@ -196,7 +205,9 @@ def main() -> None:
                         help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--levels", default="bare,runner,grpc",
-                        help="comma-separated subset of bare, runner, grpc (bare is always run)")
+                        help="comma-separated subset of bare, runner, grpc, unpacked (bare "
+                        "is always run; unpacked: the bare forward without the CPU's "
+                        "prepacked linear weights)")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of the bare decode step")
     parser.add_argument("--reps", type=int, default=5)
@@ -214,6 +225,9 @@ def main() -> None:
 
     device = resolve_device(args.device)
     model = load_model(args.model, device, compute_dtype(device))
+    # Counted before packing, which turns the linear layers' weights into opaque buffers.
+    params = sum(p.numel() for p in model.parameters())
+    pack_linears(model)  # as the worker serves it
     shm_dir = tempfile.mkdtemp(prefix="tandem-bench-")
     # The scripted scheduler never reuses a block: room for every round of every level.
     per_round = (-(-args.prompt_tokens // BLOCK_SIZE) + 1
@@ -225,13 +239,17 @@ def main() -> None:
     model.setup_caches(kv_cache_blocks(config, model.config, device, compute_dtype(device)),
                        BLOCK_SIZE)
     runner = StepRunner(model, receiver=None)
-    print_environment(model, device)
+    print_environment(model, params, device)
 
     wanted = args.levels.split(",")
     bare = BareLevel(args, model, runner)
     levels: dict[str, Level] = {"bare": bare}
     if "runner" in wanted:
         levels["runner"] = StepLevel(args, model, "runner", runner.step)
+    if "unpacked" in wanted:  # the bare forward with F.linear's weights, for the A/B
+        plain = load_model(args.model, device, compute_dtype(device))
+        plain.setup_caches(model.num_blocks, model.block_size)
+        levels["unpacked"] = bare.on(plain)
     if "grpc" not in wanted:
         rounds = run_rounds(args, levels)
     else:
@@ -250,7 +268,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.join(30)
-    report(args, model, rounds, memcpy_gbps(256 << 20, device))
+    report(args, model, params, rounds, memcpy_gbps(256 << 20, device))
     if args.profile:
         print_profile(bare)
 
@@ -268,12 +286,11 @@ def run_rounds(args: argparse.Namespace, levels: dict[str, Level]) -> list[Round
     return rounds[1:]
 
 
-def report(args: argparse.Namespace, model: Transformer, rounds: list[Round],
+def report(args: argparse.Namespace, model: Transformer, params: int, rounds: list[Round],
            copy_gbps: float) -> None:
     """Medians per level, medians of the per-round ratios to the bare level, and the bare
     decode step against its roofline (weights / memcpy rate)."""
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = params * model.tok_embeddings.weight.element_size()
     prompt = len(prefill_request(args, model, "n", None).token_ids)
     print(f"{'level':8}{'prefill ms':>12}{'tok/s':>10}{'GFLOP/s':>10}{'x bare':>8}"
           f"{'decode ms':>12}{'tok/s':>10}{'GB/s':>8}{'x bare':>8}")

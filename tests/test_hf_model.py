@@ -26,6 +26,7 @@ from tandem.features import MultiModalFeatureSpec, MultiModalKwargsItem
 from tandem_testing.device import DEVICE, DTYPE, assert_greedy_close, tolerance
 from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
 from worker_svc.checkpoint import load_model
+from worker_svc.cpu_linear import pack_linears
 from worker_svc.model import Transformer
 from worker_svc.request_state import new_request_state
 from worker_svc.runner import StepRunner
@@ -44,7 +45,9 @@ SIZES = [(56, 56), (224, 112), (60, 500), (400, 300)]
 
 
 def load(model_dir: Path) -> Transformer:
+    """The model as the worker serves it: linear layers prepacked on the CPU."""
     model = load_model(str(model_dir), DEVICE, DTYPE)
+    pack_linears(model)
     model.setup_caches(num_blocks=256, block_size=BLOCK_SIZE)
     return model
 
@@ -199,8 +202,9 @@ def test_tied_embeddings_match_transformers_on_logits(kind: str, tmp_path: Path)
     """Tied checkpoints carry no lm_head; the head is the embedding matrix itself."""
     hf = reference(kind, tied=True)
     out = save(hf, tmp_path)
+    plain = load_model(str(out), DEVICE, DTYPE)
+    assert plain.output.weight is plain.tok_embeddings.weight
     model = load(out)
-    assert model.output.weight is model.tok_embeddings.weight
     pictures = images([SIZES[1]], seed=4) if kind == "qwen2_vl" else []
     tokens, features = (vl_prompt([[5, 6], [7, 8, 9]], pictures) if pictures
                         else ([5, 6, 7, 8, 9, 10], []))

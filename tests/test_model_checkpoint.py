@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tandem.errors import InvalidInput
 from worker_svc.checkpoint import build_model, export_model, load_model
@@ -53,3 +54,18 @@ def test_unknown_model_and_mismatched_weights(tmp_path: Path) -> None:
     (out / "config.json").write_text(json.dumps({**config, "colour": "blue"}))
     with pytest.raises(InvalidInput, match="unknown model config keys"):
         model_config_from_name(str(out))
+
+
+def test_a_file_with_separate_gate_and_up_loads_fused(tmp_path: Path) -> None:
+    """Files exported before w13 name the gate and up projections w1 and w3."""
+    out = export_model("tiny", tmp_path / "m")
+    state = load_file(str(out / "model.safetensors"))
+    for key in [k for k in state if ".w13." in k]:
+        gate, up = state.pop(key).chunk(2)
+        state[key.replace(".w13.", ".w1.")] = gate.contiguous()
+        state[key.replace(".w13.", ".w3.")] = up.contiguous()
+    save_file(state, str(out / "model.safetensors"))
+    loaded = load_model(str(out), torch.device("cpu"), torch.float32).state_dict()
+    built = build_model(PRESETS["tiny"], torch.device("cpu"), torch.float32).state_dict()
+    assert loaded.keys() == built.keys()
+    assert all(torch.equal(built[k], loaded[k]) for k in built)

@@ -145,15 +145,16 @@ def test_shards_partition_the_layers() -> None:
     head_dim = full.config.head_dim
     assert (a0.n_heads, a0.n_kv_heads, a0.wqkv.out_features, a0.wo.in_features) == (
         2, 1, (2 + 2 * 1) * head_dim, 2 * head_dim)
-    assert f0.w1.weight.shape == (352 // TP, 128) and f0.w2.in_features == 352 // TP
+    assert f0.w13.weight.shape == (2 * 352 // TP, 128) and f0.w2.in_features == 352 // TP
     whole = full.layers[1]
     q, k, v = whole.attention.wqkv.weight.split([128, 64, 64])
     parts = [s.layers[1].attention.wqkv.weight.split([64, 32, 32]) for s in shards]
     for i, w in enumerate((q, k, v)):
         assert torch.equal(torch.cat([p[i] for p in parts]), w)
-    for name in ("w1", "w3"):
-        assert torch.equal(torch.cat([getattr(s.layers[1].feed_forward, name).weight
-                                      for s in shards]), getattr(whole.feed_forward, name).weight)
+    gate, up = whole.feed_forward.w13.weight.chunk(2)
+    parts = [s.layers[1].feed_forward.w13.weight.chunk(2) for s in shards]
+    for i, w in enumerate((gate, up)):
+        assert torch.equal(torch.cat([p[i] for p in parts]), w)
     assert torch.equal(torch.cat([s.layers[1].feed_forward.w2.weight for s in shards], 1),
                        whole.feed_forward.w2.weight)
     assert torch.equal(torch.cat([s.layers[1].attention.wo.weight for s in shards], 1),

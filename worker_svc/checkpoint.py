@@ -77,13 +77,23 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     if config.model_type != TANDEM:
         load_hf_weights(model, Path(name_or_path), device, dtype)
         return model.eval().requires_grad_(False)
-    state = load_file(str(Path(name_or_path) / WEIGHTS_FILE), device=str(device))
+    state = _fuse_gate_up(load_file(str(Path(name_or_path) / WEIGHTS_FILE), device=str(device)))
     try:
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     except RuntimeError as exc:  # missing/unexpected keys or shape mismatches
         raise InvalidInput(f"weights in {name_or_path!r} do not match its config: {exc}",
                            reason="BAD_CHECKPOINT") from exc
     return model.eval().requires_grad_(False)
+
+
+def _fuse_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Files exported before the gate and up projections were fused name them ``w1`` and
+    ``w3``: stack them into ``w13`` (gate rows, then up rows), as the model holds them."""
+    for key in [k for k in state if ".feed_forward.w1." in k]:
+        up = key.replace(".w1.", ".w3.")
+        if up in state:
+            state[key.replace(".w1.", ".w13.")] = torch.cat([state.pop(key), state.pop(up)])
+    return state
 
 
 def check_model(name_or_path: str) -> None:

@@ -9,10 +9,12 @@ What the conversion does, once, so that ``forward`` never branches on the format
 
 * names: both prefixes found in the wild are accepted (``model.layers.*`` or
   ``model.language_model.layers.*``; ``visual.*`` or ``model.visual.*``). The decoder's
-  names map to Tandem's (``q/k/v_proj`` -> ``wqkv``, ``gate/up/down_proj`` -> ``w1/w3/w2``,
+  names map to Tandem's (``q/k/v_proj`` -> ``wqkv``, ``gate/up_proj`` -> ``w13``,
+  ``down_proj`` -> ``w2``,
   ``embed_tokens`` -> ``tok_embeddings``, ``lm_head`` -> ``output``...); the vision
   towers keep the checkpoint's names (``qwen_vision.py``).
-* q/k/v are fused into one ``wqkv`` (weights and biases).
+* q/k/v are fused into one ``wqkv``, gate/up into one ``w13`` (weights and biases; the
+  parts in ``FUSED`` order, rows stacked).
 * rotary layout: checkpoints rotate half-vectors (pair i = dims i and i + D/2); Tandem
   rotates interleaved pairs (2i, 2i+1). Rows of every q and k projection (and their biases)
   are permuted per head so that pair i lands on rows 2i, 2i+1.
@@ -48,7 +50,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 # Decoder names: checkpoint (after the prefixes) <-> Tandem. {i} is a layer, {w} weight or
-# bias, {p} the q/k/v part of the fused projection.
+# bias, {p} the part of a fused projection.
 _DECODER = [
     ("model.embed_tokens.weight", "tok_embeddings.weight"),
     ("model.norm.weight", "norm.weight"),
@@ -57,11 +59,13 @@ _DECODER = [
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
     ("model.layers.{i}.self_attn.{p}_proj.{w}", "layers.{i}.attention.wqkv.{w}"),
     ("model.layers.{i}.self_attn.o_proj.{w}", "layers.{i}.attention.wo.{w}"),
-    ("model.layers.{i}.mlp.gate_proj.{w}", "layers.{i}.feed_forward.w1.{w}"),
-    ("model.layers.{i}.mlp.up_proj.{w}", "layers.{i}.feed_forward.w3.{w}"),
+    ("model.layers.{i}.mlp.{p}_proj.{w}", "layers.{i}.feed_forward.w13.{w}"),
     ("model.layers.{i}.mlp.down_proj.{w}", "layers.{i}.feed_forward.w2.{w}"),
 ]
-_GROUPS = {"{i}": r"(?P<i>\d+)", "{w}": "(?P<w>weight|bias)", "{p}": "(?P<p>[qkv])"}
+# The parts of each fused projection, in the order their rows are stacked.
+FUSED = {"wqkv": ("q", "k", "v"), "w13": ("gate", "up")}
+_GROUPS = {"{i}": r"(?P<i>\d+)", "{w}": "(?P<w>weight|bias)",
+           "{p}": "(?P<p>" + "|".join(p for parts in FUSED.values() for p in parts) + ")"}
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -86,7 +90,7 @@ def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
     config = model.config
     plan = _checked_plan(config, model_dir, _expected(model))
     state: dict[str, Tensor] = {}
-    pending: dict[str, dict[str, Tensor]] = {}  # fused wqkv name -> its q, k, v parts
+    pending: dict[str, dict[str, Tensor]] = {}  # fused name -> its parts read so far
     for path, entries in plan.items():
         with _open(path, device) as f:
             for key, name, part in entries:
@@ -96,10 +100,11 @@ def load_hf_weights(model: Transformer, model_dir: Path, device: torch.device,
                     state[name] = tensor
                     continue
                 parts = pending.setdefault(name, {})
-                parts[part] = tensor if part == "v" else rotate_half_to_interleaved(
-                    tensor, config.head_dim)
-                if len(parts) == 3:
-                    state[name] = torch.cat([parts.pop(p) for p in "qkv"])  # (q+2kv, ...)
+                parts[part] = rotate_half_to_interleaved(tensor, config.head_dim) if part in (
+                    "q", "k") else tensor
+                order = _parts(name)
+                if len(parts) == len(order):
+                    state[name] = torch.cat([parts.pop(p) for p in order])  # rows stacked
                     del pending[name]
     if config.tie_word_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -123,7 +128,7 @@ def _expected(model: Transformer) -> dict[str, tuple[int, ...]]:
     return expected
 
 
-_Plan = dict[Path, list[tuple[str, str, str | None]]]  # file -> (key, Tandem name, q/k/v part)
+_Plan = dict[Path, list[tuple[str, str, str | None]]]  # file -> (key, Tandem name, fused part)
 
 
 def _checked_plan(config: ModelConfig, model_dir: Path,
@@ -132,7 +137,7 @@ def _checked_plan(config: ModelConfig, model_dir: Path,
     plan: _Plan = {}
     shapes: dict[str, tuple[int, ...]] = {}
     source: dict[str, str] = {}  # Tandem name -> "file: checkpoint key", for messages
-    fused: dict[str, dict[str, tuple[int, ...]]] = {}  # wqkv name -> its parts' shapes
+    fused: dict[str, dict[str, tuple[int, ...]]] = {}  # fused name -> its parts' shapes
     present: set[str] = set()  # checkpoint keys, without their name prefixes
     for path, keys in _weight_files(model_dir).items():
         with _open(path, torch.device("cpu")) as f:
@@ -152,10 +157,11 @@ def _checked_plan(config: ModelConfig, model_dir: Path,
                     shapes[name] = _converted_shape(name, shape)
                     continue
                 parts = fused.setdefault(name, {})
-                parts[part] = _check_part(shape, part, config, where)
-                if len(parts) == 3:
-                    rows = sum(parts[p][0] for p in "qkv")
-                    shapes[name] = (rows, *parts["q"][1:])
+                parts[part] = _check_part(shape, part, config, expected[name][1:], where)
+                order = _parts(name)
+                if len(parts) == len(order):
+                    rows = sum(parts[p][0] for p in order)
+                    shapes[name] = (rows, *parts[order[0]][1:])
     _check(shapes, expected, source, present, model_dir, config)
     return plan
 
@@ -215,17 +221,26 @@ def _unprefixed(key: str) -> str:
 
 
 def _tandem_name(key: str) -> tuple[str | None, str | None]:
-    """(Tandem parameter name, q/k/v part or None); (None, None) for ignored tensors.
+    """(Tandem parameter name, part of a fused projection or None); (None, None) for
+    ignored tensors.
 
-    Unknown names come back unchanged so that the caller refuses them by name."""
+    Unknown names (``self_attn.up_proj`` among them) come back unchanged so that the
+    caller refuses them by name."""
     if _IGNORED.match(key):
         return None, None
     key = _unprefixed(key)
     for pattern, tandem in _FORWARD:
         m = pattern.fullmatch(key)
         if m:
-            return tandem.format(**m.groupdict()), m.groupdict().get("p")
+            name, part = tandem.format(**m.groupdict()), m.groupdict().get("p")
+            if part is None or part in _parts(name):
+                return name, part
     return key, None
+
+
+def _parts(name: str) -> tuple[str, ...]:
+    """The parts a fused parameter is made of (``layers.0.attention.wqkv.weight``: q, k, v)."""
+    return FUSED[name.split(".")[-2]]
 
 
 def checkpoint_names(name: str) -> list[str]:
@@ -233,7 +248,8 @@ def checkpoint_names(name: str) -> list[str]:
     for pattern, hf in _BACKWARD:
         m = pattern.fullmatch(name)
         if m:
-            return [hf.format(**m.groupdict(), p=p) for p in ("qkv" if "{p}" in hf else "_")]
+            return [hf.format(**m.groupdict(), p=p)
+                    for p in (_parts(name) if "{p}" in hf else ("_",))]
     return [name]
 
 
@@ -266,8 +282,19 @@ def _converted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _check_part(shape: tuple[int, ...], part: str, config: ModelConfig,
-                where: str) -> tuple[int, ...]:
-    """A q, k or v projection's shape, once its rows match the heads."""
+                columns: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """A part's shape, once it has the fused parameter's ``columns`` and its rows match
+    the config: the heads for a q, k or v projection, ``intermediate_size`` for gate and
+    up."""
+    if shape[1:] != columns:
+        raise InvalidInput(f"{where} has shape {shape}, expected {columns} after its rows "
+                           f"from {CONFIG_FILE}", reason="BAD_CHECKPOINT")
+    if part in ("gate", "up"):
+        if shape[0] != config.intermediate_size:
+            raise InvalidInput(f"{where} has shape {shape}; intermediate_size "
+                               f"{config.intermediate_size} needs as many rows",
+                               reason="BAD_CHECKPOINT")
+        return shape
     heads = config.n_heads if part == "q" else config.n_kv_heads
     rows = heads * config.head_dim
     if shape[0] != rows:

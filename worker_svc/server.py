@@ -32,6 +32,7 @@ from tandem.shm import ShmError
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.checkpoint import compute_dtype, load_model, resolve_device
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu_linear import pack_linears
 from worker_svc.model_config import ModelConfig
 from worker_svc.runner import StepRunner
 from worker_svc.step import DeferredMasks, StepInput, StepOutput
@@ -83,6 +84,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         dtype = compute_dtype(device, c.dtype)
         group = join_group(c, device) if tp > 1 else None  # blocks until the peers arrive
         model = load_model(c.model, device, dtype, c.rank % tp, tp)
+        log.info("worker %d: %d linear layers prepacked for the CPU's GEMM", c.rank,
+                 pack_linears(model))  # before the TP hooks attach to the layers
         if group is not None:
             group.all_reduce_outputs(model)
         model.setup_caches(kv_cache_blocks(c, model.config, device, dtype), c.block_size)

@@ -2,7 +2,7 @@
 
 Each rank keeps a contiguous slice of every layer's attention heads (query heads and KV
 heads alike, so each grouped-query group stays on one rank) and of the SwiGLU hidden
-width. ``wqkv``, ``w1`` and ``w3`` keep their slice of output rows (column-parallel),
+width. ``wqkv`` and ``w13`` keep their slice of each part's output rows (column-parallel),
 ``wo`` and ``w2`` their slice of input columns (row-parallel), and an all-reduce of the
 row-parallel outputs gives every rank the full (T, dim) activations again: two
 all-reduces per layer, attached as forward hooks so ``model.py`` keeps one code path.
@@ -116,8 +116,7 @@ def shard_model(model: Transformer, tp_rank: int, tp: int) -> None:
         _row(a.wo, tp_rank, tp)
         a.n_heads, a.n_kv_heads = a.n_heads // tp, a.n_kv_heads // tp
         a.q_size, a.kv_size = a.q_size // tp, a.kv_size // tp
-        for w in (f.w1, f.w3):
-            _column(w, tp_rank, tp, [w.out_features])
+        _column(f.w13, tp_rank, tp, [f.w13.out_features // 2] * 2)  # gate rows, up rows
         _row(f.w2, tp_rank, tp)
 
 

@@ -1,0 +1,53 @@
+"""Linear layers prepacked for the CPU's GEMM compute what ``F.linear`` computes.
+
+The equivalence with transformers through the packed path is in test_hf_model.py (its
+``load`` packs, as the worker does); here: what is replaced, the numbers of one layer at
+the sizes a step uses, and where packing does not apply.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.checkpoint import build_model
+from worker_svc.cpu_linear import PackedLinear, can_pack, pack_linears
+from worker_svc.model_config import PRESETS
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not can_pack(CPU, torch.float32),
+                                reason="this torch build has no oneDNN")
+
+
+def test_every_linear_is_packed_and_the_logits_stay() -> None:
+    model = build_model(PRESETS["tiny"], CPU, torch.float32)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    plain = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    x = {name: torch.randn(5, m.in_features) for name, m in plain.items()}
+    want = {name: m(x[name]) for name, m in plain.items()}
+
+    assert pack_linears(model) == linears > 0
+    packed = dict(model.named_modules())
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    for name, out in want.items():
+        assert isinstance(packed[name], PackedLinear)
+        torch.testing.assert_close(packed[name](x[name]), out, atol=1e-5, rtol=1e-5)
+    # The tied head got its own packed copy; the embedding table is still the lookup.
+    assert model.tok_embeddings.weight.layout == torch.strided
+
+
+@pytest.mark.parametrize("rows", [0, 1, 16, 300])
+def test_a_packed_layer_at_step_sizes(rows: int) -> None:
+    linear = nn.Linear(96, 160)
+    x = torch.randn(rows, 96)[:, :].t().contiguous().t()  # column-major: not contiguous
+    torch.testing.assert_close(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_nothing_is_packed_outside_cpu_float32() -> None:
+    model = build_model(PRESETS["tiny"], CPU, torch.bfloat16)
+    assert pack_linears(model) == 0
+    assert isinstance(model.output, nn.Linear)
+    assert not can_pack(torch.device("cuda"), torch.float32)
