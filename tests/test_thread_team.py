@@ -260,3 +260,8 @@ def test_a_trial_is_judged_on_each_shapes_median_and_steps_with_tokens() -> None
     assert time_ratio({DECODE: [0.1, 0.1, 0.1], (0, 0): [0.0, 0.0]}, baseline,
                       3) == pytest.approx(1.0)
     assert time_ratio({DECODE: [0.1], (0, 0): [0.0] * 5}, baseline, 3) is None
+    # A prefill's shape seen once before, on its first (slow) step of that size: in a
+    # served run's log this trial said 0.09x and kept one thread for nothing.
+    prefill = (171, 1)
+    assert time_ratio({DECODE: [0.1] * 3, prefill: [0.4]}, {**baseline, prefill: [5.0]},
+                      3) == pytest.approx(1.0)

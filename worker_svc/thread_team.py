@@ -77,10 +77,12 @@ class Window:
 def time_ratio(trial: Steps, baseline: Steps, least: int) -> float | None:
     """Time the trial's steps took over the time steps of the same shapes took before, each
     shape at its median (a slow first step of a shape is no evidence) and in the trial's
-    numbers; steps without tokens (releases only) do not count. None when fewer than
-    ``least`` of the trial's steps have a match."""
+    numbers; steps without tokens (releases only) do not count, nor shapes the baseline
+    saw once (a prompt's prefill: its one step may be the first of its size, which pays
+    for the GEMM primitives of that size). None when fewer than ``least`` of the trial's
+    steps have a match."""
     matched = [(len(ts), median(ts), median(baseline[k])) for k, ts in trial.items()
-               if k[0] > 0 and k in baseline]
+               if k[0] > 0 and len(baseline.get(k, ())) > 1]
     if sum(n for n, _, _ in matched) < least:
         return None
     return sum(n * t for n, t, _ in matched) / sum(n * b for n, _, b in matched)
