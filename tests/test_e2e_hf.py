@@ -3,8 +3,9 @@ transformers on the same files.
 
 The tiny Qwen2-VL / Qwen2.5-VL checkpoints carry the real Qwen vocabulary (151936 rows, the
 special tokens at their real ids), the tokenizer and a Qwen2-VL-style chat template
-(tandem_testing/text_checkpoints.py), a ``preprocessor_config.json`` and random untied weights with
-non-zero biases (tests/hf_checkpoints.py). The reference renders the same messages with
+(tandem_testing/text_checkpoints.py), a ``preprocessor_config.json`` (the directory:
+tandem_testing/hf_models.py ``vl_model_dir``) and random untied weights with non-zero biases
+(tests/hf_checkpoints.py). The reference renders the same messages with
 transformers' ``apply_chat_template``, processes the same PNG files with its own image
 processor, expands each ``<|image_pad|>`` to the image's embedding count and runs
 ``generate``; Tandem must give the same greedy ids, cold, from the prefix cache, with
@@ -14,43 +15,23 @@ chunked prefill and batched.
 from __future__ import annotations
 
 import io
-import json
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from hf_checkpoints import reference, save, smollm2_dir
+from hf_checkpoints import reference, smollm2_dir
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, png, running_cell
+from tandem_testing.hf_models import QWEN_VL_IDS, QWEN_VOCAB, vl_model_dir
 from tandem_testing.text_checkpoints import qwen2_vl_dir, reference_tokenizer
 
-VOCAB = 151936
-QWEN_IDS = dict(image_token_id=151655, vision_start_token_id=151652,
-                vision_end_token_id=151653, video_token_id=151656)
-IMAGE_PAD = QWEN_IDS["image_token_id"]
-PIXELS = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48)
+IMAGE_PAD = QWEN_VL_IDS["image_token_id"]
 MAX_NEW = 8
-
-
-def build_vl_dir(kind: str, out: Path) -> tuple[Path, torch.nn.Module]:
-    """A servable directory of ``kind`` and the transformers model saved into it."""
-    model = reference(kind, vocab_size=VOCAB)
-    for key, value in QWEN_IDS.items():
-        setattr(model.config, key, value)
-    save(model, out)
-    tokenizer = qwen2_vl_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, out / name)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 151643, "eos_token_id": [151645, 151643]}))
-    Qwen2VLImageProcessorPil(**PIXELS).save_pretrained(out)
-    return out, model
 
 
 def chat(*parts: str | bytes, system: str = "") -> generate_pb2.GenerateRequest:
@@ -112,7 +93,8 @@ def served(cell: Cell, msg: generate_pb2.GenerateRequest,
 def vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
        ) -> Iterator[tuple[str, Path, torch.nn.Module]]:
     kind = request.param
-    model_dir, model = build_vl_dir(kind, tmp_path_factory.mktemp(kind) / "model")
+    model = reference(kind, vocab_size=QWEN_VOCAB)
+    model_dir = vl_model_dir(model, tmp_path_factory.mktemp(kind) / "model")
     yield kind, model_dir, model
 
 
