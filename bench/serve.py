@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import shlex
 import statistics
@@ -152,15 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(run["summary"]["failed"] for run in report["runs"]) else 0
 
 
-# --model presets: the tandem_testing.hf_models function that builds (once) each directory
-MODEL_PRESETS = {"smollm2": "smollm2_dir", "qwen2-vl-64": "qwen2_vl_64_dir"}
+# --model presets: the tandem_testing module and function that build (once) each directory
+MODEL_PRESETS = {"smollm2": ("hf_models", "smollm2_dir"),
+                 "qwen2-vl-64": ("vl_checkpoints", "qwen2_vl_64_dir")}
 
 
 def _model(model: str, engines: list[str]) -> str:
     if model not in MODEL_PRESETS or not engines:
         return model
-    from tandem_testing import hf_models  # imports transformers when it builds the directory
-    return str(getattr(hf_models, MODEL_PRESETS[model])())
+    module, builder = MODEL_PRESETS[model]
+    # imported here: building a directory imports transformers
+    return str(getattr(importlib.import_module(f"tandem_testing.{module}"), builder)())
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.checkpoint import build_model
-from worker_svc.cpu_linear import PackedLinear, can_pack, pack_linears
+from worker_svc.cpu_linear import PackedLinear, can_pack, pack_linears, padded_rows
 from worker_svc.model_config import PRESETS
 
 CPU = torch.device("cpu")
@@ -51,3 +51,12 @@ def test_nothing_is_packed_outside_cpu_float32() -> None:
     assert pack_linears(model) == 0
     assert isinstance(model.output, nn.Linear)
     assert not can_pack(torch.device("cuda"), torch.float32)
+
+
+def test_rows_are_padded_to_few_sizes() -> None:
+    """oneDNN keeps a primitive, with its own buffers, per row count: a serving step's
+    1..512 rows must map to a few sizes (unpadded, a worker grew by ~2.6 GB over them)."""
+    sizes = {n: padded_rows(n) for n in range(1, 513)}
+    assert len(set(sizes.values())) == 7 + 7  # 1, 2, 4, ..., 64; then 128, 192, ..., 512
+    assert all(n <= p < 2 * n for n, p in sizes.items() if n <= 64)
+    assert all(n <= p < n + 64 for n, p in sizes.items() if n > 64)

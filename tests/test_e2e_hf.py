@@ -4,7 +4,7 @@ transformers on the same files.
 The tiny Qwen2-VL / Qwen2.5-VL checkpoints carry the real Qwen vocabulary (151936 rows, the
 special tokens at their real ids), the tokenizer and a Qwen2-VL-style chat template
 (tandem_testing/text_checkpoints.py), a ``preprocessor_config.json`` (the directory:
-tandem_testing/hf_models.py ``vl_model_dir``) and random untied weights with non-zero biases
+tandem_testing/vl_checkpoints.py ``vl_model_dir``) and random untied weights with non-zero biases
 (tests/hf_checkpoints.py). The reference renders the same messages with
 transformers' ``apply_chat_template``, processes the same PNG files with its own image
 processor, expands each ``<|image_pad|>`` to the image's embedding count and runs
@@ -27,8 +27,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from tandem.v1 import generate_pb2
 from tandem_testing.cells import Cell, png, running_cell
-from tandem_testing.hf_models import QWEN_VL_IDS, QWEN_VOCAB, vl_model_dir
 from tandem_testing.text_checkpoints import qwen2_vl_dir, reference_tokenizer
+from tandem_testing.vl_checkpoints import QWEN_VL_IDS, QWEN_VOCAB, vl_model_dir
 
 IMAGE_PAD = QWEN_VL_IDS["image_token_id"]
 MAX_NEW = 8
