@@ -354,11 +354,11 @@ def set_thread_budget(config: WorkerConfig) -> int:
 async def create_server(config: WorkerConfig) -> RunningWorker:
     """Start serving now (health NOT_SERVING); load and warm up in the background."""
     threads = set_thread_budget(config)
-    adaptive = config.adapt_threads and threads > 1
+    team = ThreadTeam(threads, config.adapt_threads, rank=config.rank)
     log.info("worker %d: %d torch threads%s", config.rank, threads,
-             ", fewer while they wait for CPUs" if adaptive else "")
+             ", fewer while they wait for CPUs" if team.adaptive else "")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
-    servicer = WorkerServicer(config, executor, ThreadTeam(threads, adaptive, rank=config.rank))
+    servicer = WorkerServicer(config, executor, team)
     server = GrpcServer.create(SERVICE_NAME, [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", MAX_SEND_BYTES)], trace_calls=False)

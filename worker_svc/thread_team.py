@@ -267,14 +267,14 @@ class ThreadTeam:
         self.rank = rank
         self._read = reader or ProcReader().read
         self._set_threads = set_threads
-        self._adaptive = adaptive and budget > 1
+        self.adaptive = adaptive and budget > 1  # off for good if /proc cannot be read
         self._start: Reading | None = None
         self._steps: dict[Shape, list[float]] = {}
         self._before_trial = budget
 
     def after_step(self, step_s: float, shape: Shape) -> None:
         """A step of ``step_s`` seconds and ``shape`` ended; at a window's end, resize."""
-        if not self._adaptive:
+        if not self.adaptive:
             return
         self._steps.setdefault(shape, []).append(step_s)
         if self._start is not None and time.monotonic() - self._start.at < self.window_s:
@@ -284,7 +284,7 @@ class ThreadTeam:
         except (OSError, ValueError) as exc:
             log.warning("worker %d: CPU readings unavailable (%s); the torch team stays at "
                         "its budget of %d threads", self.rank, exc, self.budget)
-            self._adaptive = False
+            self.adaptive = False
             self._resize(self.budget)
             return
         if self._start is not None:
