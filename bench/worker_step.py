@@ -9,7 +9,10 @@ Levels, same work:
 * ``grpc``: the Step RPC to a worker subprocess over its Unix socket, images delivered as
   SHM address items (the default cache), proto conversion both ways;
 * ``unpacked`` (only when asked): ``bare`` on a second copy of the model whose linear
-  layers call ``F.linear`` instead of the CPU's prepacked weights (``cpu_linear.py``).
+  layers call ``F.linear`` instead of the CPU's prepacked weights (``cpu_linear.py``);
+* ``gathered`` (only when asked): ``bare`` on a second copy of the model whose decode
+  attention gathers each context and calls SDPA instead of the CPU kernel that reads the
+  cache in place (``cpu_attention.py``).
 
 The overhead ratio is level time / bare time. Prefill also prints achieved GFLOP/s
 (2 x parameters x tokens, attention excluded) and decode the weight bytes streamed per
@@ -205,9 +208,10 @@ def main() -> None:
                         help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--levels", default="bare,runner,grpc",
-                        help="comma-separated subset of bare, runner, grpc, unpacked (bare "
-                        "is always run; unpacked: the bare forward without the CPU's "
-                        "prepacked linear weights)")
+                        help="comma-separated subset of bare, runner, grpc, unpacked, "
+                        "gathered (bare is always run; unpacked: the bare forward without "
+                        "the CPU's prepacked linear weights; gathered: without its decode "
+                        "attention kernel)")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of the bare decode step")
     parser.add_argument("--reps", type=int, default=5)
@@ -250,6 +254,13 @@ def main() -> None:
         plain = load_model(args.model, device, compute_dtype(device))
         plain.setup_caches(model.num_blocks, model.block_size)
         levels["unpacked"] = bare.on(plain)
+    if "gathered" in wanted:  # the bare forward with gather + SDPA decode attention
+        gathering = load_model(args.model, device, compute_dtype(device))
+        pack_linears(gathering)
+        gathering.setup_caches(model.num_blocks, model.block_size)
+        for layer in gathering.layers:
+            layer.attention.decode_kernel = None
+        levels["gathered"] = bare.on(gathering)
     if "grpc" not in wanted:
         rounds = run_rounds(args, levels)
     else:

@@ -100,21 +100,18 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
                   block_size: int, device: torch.device,
                   dtype: torch.dtype) -> DecodeBatch | None:
     """Single-token sequences: each context is the blocks holding slots 0..length-1,
-    padded to the longest (the padding, masked, reads whatever block the padded table
-    names). The mask is additive float, built once per step: a bool mask would be
-    converted by every layer's attention."""
+    padded to the longest (a padded entry names block 0, never read: attention stops at
+    each sequence's length)."""
     if not rows:
         return None
     width = -(-max(lengths) // block_size)
     padded = torch.tensor([(t + [0] * width)[:width] for t in tables],
                           dtype=torch.int64)  # (B, N)
-    keys = torch.arange(width * block_size)[None, :]  # (1, N * block_size)
-    mask = torch.zeros(len(rows), width * block_size).masked_fill_(
-        keys >= torch.tensor(lengths)[:, None], float("-inf"))  # (B, N * block_size)
     return DecodeBatch(
         rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
         block_table=padded.to(device, non_blocking=True),
-        mask=mask[:, None, None, :].to(device, dtype, non_blocking=True),  # (B, 1, 1, S)
+        lengths=torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True),
+        block_size=block_size, dtype=dtype,
     )
 
 

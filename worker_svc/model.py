@@ -27,11 +27,13 @@ functions: chunked prefill mixes them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from worker_svc.cpu_attention import PagedDecodeKernel, decode_kernel
 from worker_svc.layers import (
     RMSNorm,
     apply_rotary,
@@ -60,7 +62,20 @@ class DecodeBatch:
 
     rows: Tensor  # (B,) rows of the step's flat layout holding the queries
     block_table: Tensor  # (B, N) blocks of each context, padded to the longest (N blocks)
-    mask: Tensor  # (B, 1, 1, N * block_size) float: 0 for a real key, -inf for padding
+    lengths: Tensor  # (B,) int64: sequence b sees slots 0..lengths[b]-1 (>= 1)
+    block_size: int
+    dtype: torch.dtype  # the model's, the mask's
+
+    @cached_property
+    def mask(self) -> Tensor:
+        """(B, 1, 1, N * block_size) float, 0 for a real key and -inf for padding: the
+        gathered path's, built on first use and shared by the layers (a bool mask would
+        be converted by every layer's attention)."""
+        keys = torch.arange(self.block_table.shape[1] * self.block_size,
+                            device=self.lengths.device)  # (N * block_size,)
+        visible = keys[None, :] < self.lengths[:, None]  # (B, N * block_size)
+        return torch.zeros(visible.shape, device=visible.device, dtype=self.dtype).masked_fill_(
+            ~visible, float("-inf"))[:, None, None, :]
 
 
 @dataclass(frozen=True)
@@ -160,9 +175,13 @@ class Transformer(nn.Module):
             return
         c = self.config
         device, dtype = self.output.weight.device, self.output.weight.dtype
+        cpu_kernel = device.type == "cpu" and dtype == torch.float32
         for layer in self.layers:
-            layer.attention.kv_cache = PagedKVCache(
-                num_blocks, block_size, layer.attention.n_kv_heads, c.head_dim, dtype).to(device)
+            a = layer.attention
+            a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim,
+                                      dtype).to(device)
+            a.decode_kernel = (decode_kernel(a.n_kv_heads, a.n_heads // a.n_kv_heads,
+                                             c.head_dim, block_size) if cpu_kernel else None)
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
                                  c.rope_llama3)
         self.rope_components = pair_components(c.mrope_section, device)
@@ -209,6 +228,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(self.q_size, config.dim, bias=config.out_bias)
         self.kv_cache: PagedKVCache | None = None
+        # Set with the cache: the in-place CPU kernel where it applies, else None (gather).
+        self.decode_kernel: PagedDecodeKernel | None = None
 
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
         assert self.kv_cache is not None, "call setup_caches"
@@ -236,15 +257,20 @@ class Attention(nn.Module):
         return out.transpose(0, 1)  # (Q, H, D)
 
     def _attend_decode(self, q: Tensor, batch: DecodeBatch) -> Tensor:
-        """B single queries q (B, H, D), each against its own padded context.
+        """B single queries q (B, H, D), each against its own context.
 
-        The H query heads sharing a key head ride as that head's "query positions", all
+        On the CPU in float32 the compiled kernel reads the contexts in place
+        (``cpu_attention.py``). Elsewhere they are gathered, padded to the longest, and
+        the H query heads sharing a key head ride as that head's "query positions", all
         seeing every key, so grouped-query attention needs no repeated keys.
         NOTE: ``repeat_interleave`` of the keys and values to H heads was rejected: it copied
         the gathered context (n_heads / n_kv_heads) times per layer, a fifth of a batch-16
         decode step of SmolLM2 (docs/worker.md).
         """
         assert self.kv_cache is not None
+        if self.decode_kernel is not None:
+            return self.decode_kernel(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
+                                      batch.block_table, batch.lengths)
         b = q.shape[0]
         k, v = self.kv_cache.gather_blocks(batch.block_table)  # (B, S, Hkv, D)
         q = q.view(b, self.n_kv_heads, -1, self.head_dim)  # (B, Hkv, H/Hkv, D)

@@ -1,0 +1,112 @@
+"""The CPU decode-attention kernel (worker_svc/cpu_attention.py) against the gathered path
+it replaces: random caches, scattered block tables, every split of the work."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from worker_svc.cpu_attention import decode_kernel, torch_openmp
+from worker_svc.model import Attention, DecodeBatch, PagedKVCache
+from worker_svc.model_config import ModelConfig
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None or torch_openmp() is None,
+    reason="no C compiler, or torch without libgomp: the model gathers instead")
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def attention(n_kv_heads: int, n_rep: int, head_dim: int, block_size: int,
+              num_blocks: int) -> Attention:
+    """One layer's attention with a random cache (its projections are not used here)."""
+    a = Attention(ModelConfig())
+    a.n_kv_heads, a.n_heads, a.head_dim = n_kv_heads, n_kv_heads * n_rep, head_dim
+    a.kv_cache = PagedKVCache(num_blocks, block_size, n_kv_heads, head_dim, torch.float32)
+    a.kv_cache.k_cache.normal_()
+    a.kv_cache.v_cache.normal_(std=2.0)
+    return a
+
+
+def decode_batch(lengths: list[int], block_size: int, num_blocks: int,
+                 gen: torch.Generator) -> DecodeBatch:
+    """Contexts in scattered, disjoint blocks, the table padded with block 0 as batch.py
+    pads it."""
+    width = -(-max(lengths) // block_size)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(len(lengths), width, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        used = -(-n // block_size)
+        table[b, :used] = torch.tensor(order[:used])
+        order = order[used:]
+    return DecodeBatch(rows=torch.arange(len(lengths)), block_table=table,
+                       lengths=torch.tensor(lengths), block_size=block_size,
+                       dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("n_kv_heads", "n_rep", "head_dim", "block_size"), [
+    (3, 3, 64, 16),  # SmolLM2-135M
+    (2, 7, 128, 16),  # Qwen2-VL-7B's grouping
+    (4, 1, 16, 32),  # no grouping, the built-in preset's head size
+    (1, 4, 80, 8),  # a head size that is no multiple of the vector width
+])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim: int,
+                                           block_size: int, num_threads: int) -> None:
+    gen = torch.Generator().manual_seed(n_kv_heads * 1000 + head_dim)
+    num_blocks = 200
+    a = attention(n_kv_heads, n_rep, head_dim, block_size, num_blocks)
+    kernel = decode_kernel(n_kv_heads, n_rep, head_dim, block_size)
+    assert kernel is not None
+    # One sequence (work split per key head) and many (per sequence); lengths of one slot,
+    # of whole blocks and in between.
+    for lengths in ([1], [3 * block_size + 5], [1, block_size, 2 * block_size, 7, 130, 57,
+                                                   block_size + 1, 64, 99, 3]):
+        batch = decode_batch(lengths, block_size, num_blocks, gen)
+        q = torch.randn(len(lengths), n_kv_heads * n_rep, head_dim, generator=gen)
+        with threads(num_threads):
+            a.decode_kernel = None
+            expected = a._attend_decode(q, batch)
+            a.decode_kernel = kernel
+            got = a._attend_decode(q, batch)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
+    kernel = decode_kernel(3, 3, 64, 16)
+    assert kernel is not None
+    a = attention(3, 3, 64, 16, 8)
+    assert a.kv_cache is not None
+    table, lengths = torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="called with q"):  # head size 32, not 64
+        kernel(torch.randn(2, 9, 32), a.kv_cache.k_cache, a.kv_cache.v_cache, table, lengths)
+    with pytest.raises(ValueError, match="called with q"):  # int32 table
+        kernel(torch.randn(2, 9, 64), a.kv_cache.k_cache, a.kv_cache.v_cache,
+               table.int(), lengths)
+
+
+def test_without_a_compiler_attention_gathers_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    build = decode_kernel.__wrapped__  # not the per-process cache
+    monkeypatch.setenv("CC", "tandem-no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_attention"):
+        assert build(3, 3, 64, 16) is None
+    assert "no C compiler ($CC or cc) on PATH" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("CC", "false")  # found, but compiles nothing
+    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_attention"):
+        assert build(3, 3, 64, 16) is None
+    assert "failed" in caplog.text
