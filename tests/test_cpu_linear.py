@@ -57,6 +57,6 @@ def test_rows_are_padded_to_few_sizes() -> None:
     """oneDNN keeps a primitive, with its own buffers, per row count: a serving step's
     1..512 rows must map to a few sizes (unpadded, a worker grew by ~2.6 GB over them)."""
     sizes = {n: padded_rows(n) for n in range(1, 513)}
-    assert len(set(sizes.values())) == 7 + 7  # 1, 2, 4, ..., 64; then 128, 192, ..., 512
-    assert all(n <= p < 2 * n for n, p in sizes.items() if n <= 64)
-    assert all(n <= p < n + 64 for n, p in sizes.items() if n > 64)
+    assert len(set(sizes.values())) == 5 + 31  # 1, 2, 4, 8, 16; then 32, 48, ..., 512
+    assert all(n <= p < 2 * n for n, p in sizes.items() if n <= 16)
+    assert all(n <= p < n + 16 and p % 16 == 0 for n, p in sizes.items() if n > 16)

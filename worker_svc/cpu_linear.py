@@ -12,9 +12,10 @@ streamed from DRAM, 2 AVX2 cores: 0.41-0.75x the time of ``F.linear`` at 1 to 51
 oneDNN builds (and caches) a GEMM primitive for every row count it sees, and each holds
 its own buffers: ~0.6 MB per (rows, weight) pair here, so the row counts of a serving step
 (1 to the step budget) would grow a worker by gigabytes. Rows are therefore padded to a
-few sizes (``padded_rows``): up to 64 the next power of two (decode: a GEMM over weights
+few sizes (``padded_rows``): up to 16 the next power of two (decode: a GEMM over weights
 streamed from memory costs nearly the same at 9 rows as at 16), above that the next
-multiple of 64 (prefill: at most 63 rows of waste).
+multiple of 16 (prefill, where the GEMMs are compute-bound and padded rows cost their
+share: 150 rows padded to 192 took 1.2-1.3x the time of 160).
 
 The packed weight is an opaque tensor: it has no strides, no storage Python can read, and
 cannot be deep-copied or moved to another device. So packing is the last step of loading a
@@ -39,9 +40,9 @@ WARM_ROWS = 512
 
 def padded_rows(rows: int) -> int:
     """The row count a GEMM of ``rows`` rows runs at (see the module docstring)."""
-    if rows <= 64:
+    if rows <= 16:
         return 1 << max(rows - 1, 0).bit_length()
-    return -(-rows // 64) * 64
+    return -(-rows // 16) * 16
 
 
 class PackedLinear(nn.Module):
