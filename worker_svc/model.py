@@ -239,6 +239,8 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), rot)  # (T, Hkv, D)
         v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         self.kv_cache.update(inputs.slot_mapping, k, v)
+        if not inputs.seqs and inputs.decode is not None:  # decodes only: rows 0..T-1 in order
+            return self.wo(self._attend_decode(q, inputs.decode).view(t, -1))
         out = torch.empty_like(q)  # (T, H, D)
         for s in inputs.seqs:
             out[s.q_start:s.q_end] = self._attend(q[s.q_start:s.q_end], s)

@@ -199,7 +199,7 @@ class QwenVisionEncoder(nn.Module):
         dev, m = pixel_values.device, c.merge_size
         rows, cols = block_major_grid(grid_h, grid_w, m)
         rot = rotary_for_positions(self.rope, torch.stack([rows, cols]).to(dev),
-                                   self.rope_components)  # (N, D/2, 2)
+                                   self.rope_components)  # (N, D/2) complex
         windows = None
         if c.vision_window_size:
             w = window_groups(grid_h, grid_w, m, c.vision_window_size // (m * c.patch_size))
