@@ -85,6 +85,16 @@ def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """A library linked with -ffast-math turns on flush-to-zero for the whole process when
+    it loads (crtfastmath.o), which broke hypothesis's float strategies in the fuzz tests."""
+    build = decode_kernel.__wrapped__  # a fresh build and load, not the per-process cache
+    assert build(2, 2, 32, 16) is not None
+    tiny = float.fromhex("0x1p-1074")  # the smallest subnormal double
+    assert tiny * float(len("x")) > 0.0  # computed at run time, not folded by the compiler
+    assert (torch.tensor([1e-40], dtype=torch.float32) * 3).item() > 0.0
+
+
 def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
     kernel = decode_kernel(3, 3, 64, 16)
     assert kernel is not None

@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -ffast-math lets the compiler reassociate the dot products into vector lanes and use
 # glibc's vector expf; the source keeps to finite numbers for it (-FLT_MAX, not -inf).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# Compile only: a link with -ffast-math adds crtfastmath.o (GCC before 13), whose
+# constructor turns on flush-to-zero for the whole process as the library loads, and every
+# subnormal float in torch and Python then reads as zero.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
 # Fewer sequences than this many per thread: tasks are (sequence, key head) pairs instead
 # of sequences, so that one or two sequences still keep every thread busy.
 SEQUENCES_PER_THREAD = 4
@@ -105,14 +108,16 @@ def decode_kernel(n_kv_heads: int, n_rep: int, head_dim: int,
     # no file compiled for this CPU (-march=native) outlives the process to be reused on
     # another machine.
     with tempfile.TemporaryDirectory(prefix="tandem-kernel-") as tmp:
-        target = Path(tmp) / "paged_decode.so"
-        command = [compiler, *FLAGS, *constants, str(SOURCE), "-o", str(target),
-                   f"-L{openmp.parent}", "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}",
-                   "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            log.warning("decode attention gathers each context (gather + SDPA): %s failed: "
-                        "%s", " ".join(command), result.stderr.strip()[-2000:])
-            return None
+        obj, target = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
+        for command in (
+            [compiler, *COMPILE_FLAGS, *constants, str(SOURCE), "-o", str(obj)],
+            [compiler, "-shared", str(obj), "-o", str(target), f"-L{openmp.parent}",
+             "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}", "-lm"],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                log.warning("decode attention gathers each context (gather + SDPA): %s "
+                            "failed: %s", " ".join(command), result.stderr.strip()[-2000:])
+                return None
         library = ctypes.CDLL(str(target))
     return PagedDecodeKernel(library, n_kv_heads, n_rep, head_dim, block_size)
