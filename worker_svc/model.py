@@ -17,7 +17,8 @@ q/k rows permuted once at load (``hf_checkpoint.py``).
 A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
 the whole step at once, and only attention is split: each multi-token sequence (a prefill
 chunk) attends on its own, and all single-token sequences (decodes) attend together in one
-call over their contexts padded to the longest, each read through its block table.
+call, each context read through its block table (in place by the CPU kernel of
+``cpu_attention.py``, else gathered and padded to the longest).
 NOTE: padding the whole batch to (B, max_q) was rejected: a step mixing one prefill chunk
 with decodes would pad every decode to the chunk's length. For the same reason prefill and
 decode share one ``forward`` (the unit a compiler would take) instead of two top-level
