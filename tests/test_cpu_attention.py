@@ -15,7 +15,7 @@ from worker_svc.cpu_attention import decode_kernel, torch_openmp
 from worker_svc.model import Attention, DecodeBatch, PagedKVCache
 from worker_svc.model_config import ModelConfig
 
-pytestmark = pytest.mark.skipif(
+needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None or torch_openmp() is None,
     reason="no C compiler, or torch without libgomp: the model gathers instead")
 
@@ -57,6 +57,7 @@ def decode_batch(lengths: list[int], block_size: int, num_blocks: int,
                        dtype=torch.float32)
 
 
+@needs_compiler
 @pytest.mark.parametrize(("n_kv_heads", "n_rep", "head_dim", "block_size"), [
     (3, 3, 64, 16),  # SmolLM2-135M
     (2, 7, 128, 16),  # Qwen2-VL-7B's grouping
@@ -85,6 +86,7 @@ def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
 def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     """A library linked with -ffast-math turns on flush-to-zero for the whole process when
     it loads (crtfastmath.o), which broke hypothesis's float strategies in the fuzz tests."""
@@ -95,6 +97,7 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert (torch.tensor([1e-40], dtype=torch.float32) * 3).item() > 0.0
 
 
+@needs_compiler
 def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
     kernel = decode_kernel(3, 3, 64, 16)
     assert kernel is not None
@@ -108,6 +111,8 @@ def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
                table.int(), lengths)
 
 
+@pytest.mark.skipif(torch_openmp() is None, reason="torch without libgomp: the build stops "
+                    "before it tries a compiler")
 def test_without_a_compiler_attention_gathers_and_says_why(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     build = decode_kernel.__wrapped__  # not the per-process cache
