@@ -51,12 +51,15 @@ async def generate(engine: Engine, msg: generate_pb2.GenerateRequest,
     return tokens
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+async def until(predicate: Callable[[], bool], timeout: float = 30.0,
+                state: Callable[[], object] | None = None) -> None:
+    """Poll ``predicate``; on timeout the error shows ``state()`` (what was not reached)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
+            shown = f": {state()}" if state is not None else ""
+            raise AssertionError(f"condition not reached in time{shown}")
         await asyncio.sleep(0.02)
 
 

@@ -341,7 +341,9 @@ def test_after_an_unexpected_error_the_doubts_of_steps_a_worker_never_read_settl
             finally:
                 os.kill(pids[0], signal.SIGCONT)
             await until(lambda: e.cache_stats().shm_unacked_refs == 0
-                        and e.ledger_stats().in_doubt == 0, timeout=15.0)
+                        and e.ledger_stats().in_doubt == 0, timeout=15.0,
+                        state=lambda: (e.cache_stats(), e.ledger_stats(), e.errors,
+                                       e.serving))
             assert e.serving
             assert await generate(e, request("After the error", max_tokens=2)) != []
 
