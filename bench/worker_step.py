@@ -10,6 +10,8 @@ Levels, same work:
   SHM address items (the default cache), proto conversion both ways;
 * ``unpacked`` (only when asked): ``bare`` on a second copy of the model whose linear
   layers call ``F.linear`` instead of the CPU's prepacked weights (``cpu_linear.py``);
+* ``onednn`` (only when asked): ``bare`` on a second copy of the model in oneDNN's
+  blocked layout, where the machine's default is the column panels of ``cpu_gemm.c``;
 * ``gathered`` (only when asked): ``bare`` on a second copy of the model whose decode
   attention gathers each context and calls SDPA instead of the CPU kernel that reads the
   cache in place (``cpu_attention.py``).
@@ -209,9 +211,9 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--levels", default="bare,runner,grpc",
                         help="comma-separated subset of bare, runner, grpc, unpacked, "
-                        "gathered (bare is always run; unpacked: the bare forward without "
-                        "the CPU's prepacked linear weights; gathered: without its decode "
-                        "attention kernel)")
+                        "onednn, gathered (bare is always run; unpacked: the bare forward "
+                        "without the CPU's prepacked linear weights; onednn: in oneDNN's "
+                        "layout; gathered: without its decode attention kernel)")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of the bare decode step")
     parser.add_argument("--reps", type=int, default=5)
@@ -254,6 +256,11 @@ def main() -> None:
         plain = load_model(args.model, device, compute_dtype(device))
         plain.setup_caches(model.num_blocks, model.block_size)
         levels["unpacked"] = bare.on(plain)
+    if "onednn" in wanted:  # the bare forward with oneDNN's GEMM, not the panel kernel
+        blocked = load_model(args.model, device, compute_dtype(device))
+        pack_linears(blocked, panels=False)
+        blocked.setup_caches(model.num_blocks, model.block_size)
+        levels["onednn"] = bare.on(blocked)
     if "gathered" in wanted:  # the bare forward with gather + SDPA decode attention
         gathering = load_model(args.model, device, compute_dtype(device))
         pack_linears(gathering)

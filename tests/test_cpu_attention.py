@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from worker_svc.cpu_attention import decode_kernel, torch_openmp
+from worker_svc.cpu_attention import decode_kernel
+from worker_svc.cpu_build import torch_openmp
 from worker_svc.model import Attention, DecodeBatch, PagedKVCache
 from worker_svc.model_config import ModelConfig
 
@@ -117,11 +118,11 @@ def test_without_a_compiler_attention_gathers_and_says_why(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     build = decode_kernel.__wrapped__  # not the per-process cache
     monkeypatch.setenv("CC", "tandem-no-such-compiler")
-    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_attention"):
+    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
         assert build(3, 3, 64, 16) is None
     assert "no C compiler ($CC or cc) on PATH" in caplog.text
     caplog.clear()
     monkeypatch.setenv("CC", "false")  # found, but compiles nothing
-    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_attention"):
+    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
         assert build(3, 3, 64, 16) is None
     assert "failed" in caplog.text

@@ -8,39 +8,27 @@ each sequence's blocks in place with a running softmax: measured on SmolLM2-135M
 geometry (batch 16, ~300-token contexts, 30 layers, 2 AVX2 cores), 0.6-0.75x the time of
 gather + SDPA (docs/worker.md, "Where a decode step's time goes").
 
-The C source is compiled when a model's caches are set up, once per process and cache
-geometry, by the C compiler on the machine (``$CC``, else ``cc``) with the geometry as
-constants and ``-march=native``: the loops then have fixed trip counts the compiler
-vectorizes. It is linked against the OpenMP runtime torch itself loaded, so the kernel's
-threads are torch's team (``torch.get_num_threads()`` per call), never a second pool
-competing for the same cores. Where there is no compiler or torch brings no ``libgomp``
-(a slim container image, a macOS build), ``decode_kernel`` returns None and attention
-falls back to gather + SDPA, with one warning in the log.
+It is compiled when a model's caches are set up, once per process and cache geometry
+(``cpu_build.py``), with the geometry as constants: the loops then have fixed trip counts
+the compiler vectorizes. Where it cannot be built, ``decode_kernel`` returns None and
+attention falls back to gather + SDPA, with one warning in the log.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from worker_svc.cpu_build import build_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -ffast-math lets the compiler reassociate the dot products into vector lanes and use
 # glibc's vector expf; the source keeps to finite numbers for it (-FLT_MAX, not -inf).
-# Compile only: a link with -ffast-math adds crtfastmath.o (GCC before 13), whose
-# constructor turns on flush-to-zero for the whole process as the library loads, and every
-# subnormal float in torch and Python then reads as zero.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+FAST_MATH = "-ffast-math"
 # Fewer sequences than this many per thread: tasks are (sequence, key head) pairs instead
 # of sequences, so that one or two sequences still keep every thread busy.
 SEQUENCES_PER_THREAD = 4
@@ -84,40 +72,15 @@ class PagedDecodeKernel:
         return out
 
 
-def torch_openmp() -> Path | None:
-    """The OpenMP runtime torch loaded (``torch/lib/libgomp.so.1`` in Linux wheels)."""
-    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    return path if path.exists() else None
-
-
 @cache
 def decode_kernel(n_kv_heads: int, n_rep: int, head_dim: int,
                   block_size: int) -> PagedDecodeKernel | None:
     """The kernel for this geometry, compiled on first use; None (and a warning, once per
     geometry) where it cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    openmp = torch_openmp()
-    if compiler is None or openmp is None:
-        log.warning("decode attention gathers each context (gather + SDPA): %s",
-                    "no C compiler ($CC or cc) on PATH" if compiler is None
-                    else "torch brings no libgomp to link the CPU kernel against")
-        return None
     constants = [f"-DHKV={n_kv_heads}", f"-DREP={n_rep}", f"-DD={head_dim}",
                  f"-DBS={block_size}"]
-    # The library is loaded and its file removed at once: dlopen keeps the mapping, and
-    # no file compiled for this CPU (-march=native) outlives the process to be reused on
-    # another machine.
-    with tempfile.TemporaryDirectory(prefix="tandem-kernel-") as tmp:
-        obj, target = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
-        for command in (
-            [compiler, *COMPILE_FLAGS, *constants, str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(target), f"-L{openmp.parent}",
-             "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}", "-lm"],
-        ):
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                log.warning("decode attention gathers each context (gather + SDPA): %s "
-                            "failed: %s", " ".join(command), result.stderr.strip()[-2000:])
-                return None
-        library = ctypes.CDLL(str(target))
+    library = build_library(SOURCE, [FAST_MATH, *constants],
+                            "decode attention gathers each context (gather + SDPA)")
+    if library is None:
+        return None
     return PagedDecodeKernel(library, n_kv_heads, n_rep, head_dim, block_size)

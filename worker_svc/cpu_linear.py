@@ -1,4 +1,16 @@
-"""Linear layers whose weights are prepacked once for the CPU's GEMM (oneDNN), at load.
+"""Linear layers whose weights are laid out once for the CPU's GEMM, at load.
+
+Two layouts, one chosen per worker by :func:`pack_linears`:
+
+* **Column panels, multiplied by our own kernel** (``cpu_gemm.c``, :class:`PanelLinear`),
+  on CPUs with AVX-512 where the kernel builds (``cpu_build.py``). Measured on
+  SmolLM2-135M's 151 weights per step, streamed from DRAM, 2 AVX-512 cores (Xeon): 0.80x
+  oneDNN's time at 1 row, 0.85-0.88x at 4-16 rows, 0.95-0.99x at 160-512 rows
+  (docs/worker.md, "Where a decode step's time goes"). The panels are a plain tensor the
+  size of the weight: no per-size GEMM state, nothing to warm up. On AVX2 the same source
+  runs, but oneDNN's kernels are faster there (1.1-1.6x less time, measured on the same
+  Xeon with ``-march=haswell``), so AVX2 machines keep oneDNN.
+* **oneDNN's blocked layout** (:class:`PackedLinear`), everywhere else on the CPU.
 
 ``F.linear`` on the CPU hands each call to MKL's sgemm, which re-lays the weight matrix out
 for its kernel on every call. At serving sizes (a decode step multiplies 1-64 rows by each
@@ -26,9 +38,18 @@ before it.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+from functools import cache
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from worker_svc.cpu_build import build_library
+
+log = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; the measured times at 1 and 512 rows
 # hardly differ between hints of 16 and 64.
@@ -43,6 +64,77 @@ def padded_rows(rows: int) -> int:
     if rows <= 16:
         return 1 << max(rows - 1, 0).bit_length()
     return -(-rows // 16) * 16
+
+
+GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")
+PANEL = 16  # columns per panel: cpu_gemm.c's PW
+
+
+class PanelGemm:
+    """The compiled ``cpu_gemm.c``: ``y (M, N) = x (M, K) @ w^T`` over panels."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.panel_gemm
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        multiple = library.gemm_columns_multiple
+        multiple.restype = ctypes.c_int
+        self.columns_multiple = int(multiple())  # what N is padded to
+
+    def panels(self, weight: Tensor) -> Tensor:
+        """(N, K) -> (N'/16, K, 16), N' the next multiple of ``columns_multiple``, the
+        padding zeros."""
+        n, k = weight.shape
+        padded = -(-n // self.columns_multiple) * self.columns_multiple
+        w = F.pad(weight.detach().float(), (0, 0, 0, padded - n))
+        return w.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+    def __call__(self, x: Tensor, panels: Tensor) -> Tensor:
+        """x (M, K) contiguous float32 -> (M, N') float32."""
+        p, k, width = panels.shape
+        # The C code trusts its pointers: a wrong layout here would read out of bounds.
+        if (x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32
+                or panels.dtype != torch.float32 or width != PANEL
+                or (p * PANEL) % self.columns_multiple or not x.is_contiguous()
+                or not panels.is_contiguous()):
+            raise ValueError(f"panel GEMM called with x {tuple(x.shape)} {x.dtype} and "
+                             f"panels {tuple(panels.shape)} {panels.dtype}")
+        out = torch.empty(x.shape[0], p * PANEL)
+        self._fn(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], p * PANEL, k,
+                 torch.get_num_threads())
+        return out
+
+
+@cache
+def panel_gemm() -> PanelGemm | None:
+    """The GEMM kernel, built once per process; None (and a warning) where it cannot be."""
+    library = build_library(GEMM_SOURCE, [], "linear layers keep oneDNN's layout")
+    return None if library is None else PanelGemm(library)
+
+
+def panels_pay() -> bool:
+    """Where the panel kernel beats oneDNN (measured): CPUs with AVX-512."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
+class PanelLinear(nn.Module):
+    """``nn.Linear``'s forward over its weight in column panels (``cpu_gemm.c``)."""
+
+    def __init__(self, linear: nn.Linear, gemm: PanelGemm) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gemm = gemm
+        self.register_buffer("weight", gemm.panels(linear.weight), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = self.gemm(rows, self.weight)
+        if out.shape[1] != self.out_features:
+            out = out[:, :self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -71,20 +163,31 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def pack_linears(model: nn.Module, warm_rows: int = WARM_ROWS) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` when its weights are
-    float32 on the CPU, and build the GEMM primitives of every padded size up to
-    ``warm_rows`` now; returns how many layers were replaced (0 elsewhere: CUDA, bf16).
+def pack_linears(model: nn.Module, warm_rows: int = WARM_ROWS,
+                 panels: bool | None = None) -> int:
+    """Replace every ``nn.Linear`` of ``model``, when its weights are float32 on the CPU, by
+    a ``PanelLinear`` (``panels``; None: where they pay, :func:`panels_pay`, and the kernel
+    builds) or else a ``PackedLinear``, building oneDNN's GEMM primitives of every padded
+    size up to ``warm_rows`` now; returns how many layers were replaced (0 elsewhere:
+    CUDA, bf16).
 
-    NOTE: built at load rather than when a size first comes: a primitive's buffers would
-    otherwise grow the worker after its warm-up (the soak test's flat-RSS check), and the
-    first request of each size would pay for building them. Layers of one shape share
-    their primitives, so one layer per shape is run."""
+    NOTE: oneDNN's are built at load rather than when a size first comes: a primitive's
+    buffers would otherwise grow the worker after its warm-up (the soak test's flat-RSS
+    check), and the first request of each size would pay for building them. Layers of one
+    shape share their primitives, so one layer per shape is run."""
     first = next(model.parameters())
-    if not can_pack(first.device, first.dtype):
+    if first.device.type != "cpu" or first.dtype != torch.float32:
+        return 0
+    gemm = panel_gemm() if (panels_pay() if panels is None else panels) else None
+    if gemm is None and not can_pack(first.device, first.dtype):
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    if gemm is not None:
+        for parent, name, child in targets:
+            setattr(parent, name, PanelLinear(child, gemm))
+        log.info("linear layers in column panels (cpu_gemm.c)")
+        return len(targets)
     shapes: dict[tuple[int, int, bool], PackedLinear] = {}
     for parent, name, child in targets:
         packed = PackedLinear(child)

@@ -1,0 +1,75 @@
+/* y = x @ w^T over a weight laid out in column panels (worker_svc/cpu_linear.py).
+ *
+ * The weight (N, K) is stored as N/PW panels of (K, PW): panel p holds columns
+ * p*PW .. p*PW+PW-1 of w^T, row k of the panel contiguous. A tile of TW output columns
+ * and MT rows of x keeps MT x NV vector accumulators in registers; each step of k loads
+ * NV weight vectors once and multiplies them by MT broadcast scalars of x. So every weight
+ * float is read once per MT rows, in order, from one stream per panel (the hardware
+ * prefetcher follows it), and no horizontal sums are needed. Each output is a sum over k
+ * in order, the same whatever the number of rows: a row's result does not depend on the
+ * batch it came in.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PW 16 /* panel width (floats): the layout, the same on every CPU */
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector */
+#define MT 8  /* rows of x per tile: MT * NV accumulators + NV weights + 1 broadcast */
+#define NV 2  /* vectors per tile row */
+#else
+#define VW 8
+#define MT 4
+#define NV 3
+#endif
+#define TW (NV * VW) /* tile width (floats) */
+
+typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* The unit N is padded to: a multiple of both the panel and the tile width. */
+int gemm_columns_multiple(void) {
+  int a = PW, b = TW;
+  while (b) {
+    const int r = a % b;
+    a = b;
+    b = r;
+  }
+  return PW / a * TW;
+}
+
+void panel_gemm(const float *restrict x, const float *restrict wp, float *restrict y, int m,
+                int n, int k, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int t = 0; t < n / TW; t++) {
+    const int n0 = t * TW;
+    const float *w[NV]; /* this tile's vectors of row 0 of their panels */
+    for (int j = 0; j < NV; j++) {
+      const int c = n0 + j * VW;
+      w[j] = wp + (int64_t)(c / PW) * k * PW + c % PW;
+    }
+    for (int m0 = 0; m0 < m; m0 += MT) {
+      const int rows = m - m0 < MT ? m - m0 : MT;
+      const float *xr = x + (int64_t)m0 * k;
+      vec acc[MT][NV];
+      memset(acc, 0, sizeof acc);
+/* Full tiles get a constant trip count, so the accumulators stay in registers. */
+#define TILE(ROWS)                                                                         \
+  for (int kk = 0; kk < k; kk++) {                                                         \
+    vec wv[NV];                                                                            \
+    for (int j = 0; j < NV; j++) wv[j] = *(const vec *)(w[j] + (int64_t)kk * PW);          \
+    for (int i = 0; i < (ROWS); i++) {                                                     \
+      const float s = xr[(int64_t)i * k + kk];                                             \
+      for (int j = 0; j < NV; j++) acc[i][j] += wv[j] * s;                                 \
+    }                                                                                      \
+  }
+      if (rows == MT) {
+        TILE(MT)
+      } else {
+        TILE(rows)
+      }
+      for (int i = 0; i < rows; i++)
+        for (int j = 0; j < NV; j++)
+          memcpy(y + (int64_t)(m0 + i) * n + n0 + j * VW, &acc[i][j], sizeof(vec));
+    }
+  }
+}
