@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (worker_svc/cpu_attention.py) against the gathered path
-it replaces: random caches, scattered block tables, every split of the work."""
+it replaces: random caches, scattered block tables, every split of the work; for decodes
+and for prefill chunks, whose query rows it runs as decodes of their own."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from worker_svc.batch import causal_mask
 from worker_svc.cpu_attention import decode_kernel
 from worker_svc.cpu_build import torch_openmp
-from worker_svc.model import Attention, DecodeBatch, PagedKVCache
+from worker_svc.model import Attention, DecodeBatch, PagedKVCache, SequenceSlice
 from worker_svc.model_config import ModelConfig
 
 needs_compiler = pytest.mark.skipif(
@@ -85,6 +87,37 @@ def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim
             a.decode_kernel = kernel
             got = a._attend_decode(q, batch)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("computed", "new"), [(0, 37), (45, 20), (16, 16), (0, 2)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_prefill_chunk_through_the_kernel_matches_the_masked_gather(
+        computed: int, new: int, num_threads: int) -> None:
+    """A chunk of ``new`` tokens after ``computed`` cached ones (a prefix hit, or an
+    earlier chunk): query i sees slots 0..computed+i, as the causal mask says."""
+    gen = torch.Generator().manual_seed(computed * 100 + new)
+    block_size, num_blocks = 16, 64
+    a = attention(3, 3, 64, block_size, num_blocks)
+    kernel = decode_kernel(3, 3, 64, block_size)
+    assert kernel is not None
+    total = computed + new
+    blocks = torch.randperm(num_blocks, generator=gen)[:-(-total // block_size) + 1]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
+    seq = SequenceSlice(q_start=0, q_end=new, kv_index=slots,
+                        mask=causal_mask(computed, new, torch.device("cpu")),
+                        block_table=blocks[None, :],
+                        lengths=torch.arange(computed + 1, total + 1))
+    q = torch.randn(new, 9, 64, generator=gen)
+    with threads(num_threads):
+        a.decode_kernel = None
+        expected = a._attend(q, seq)
+        a.decode_kernel = kernel
+        got = a._attend(q, seq)
+        direct = kernel(q, a.kv_cache.k_cache, a.kv_cache.v_cache,
+                        blocks[None, :].expand(new, -1), seq.lengths)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, direct)  # the kernel's own answer, not the gather's
 
 
 @needs_compiler

@@ -72,7 +72,10 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
             seqs.append(SequenceSlice(
                 q_start=q_start, q_end=q_start + n,
                 kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
-                mask=_causal_mask(c, n, device),
+                mask=causal_mask(c, n, device),
+                block_table=torch.tensor([state.block_ids], dtype=torch.int64).to(
+                    device, non_blocking=True),
+                lengths=torch.arange(c + 1, c + n + 1).to(device, non_blocking=True),
             ))
         if c + n == state.num_tokens:
             logits_index.append(q_start + n - 1)
@@ -115,7 +118,7 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
     )
 
 
-def _causal_mask(num_computed: int, n: int, device: torch.device) -> Tensor | None:
+def causal_mask(num_computed: int, n: int, device: torch.device) -> Tensor | None:
     """(n, c+n) bool, True where key j <= query position c + i; None for a single query."""
     if n == 1:
         return None

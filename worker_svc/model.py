@@ -17,8 +17,10 @@ q/k rows permuted once at load (``hf_checkpoint.py``).
 A step's tokens from all requests are laid out flat, (T, dim): every linear layer runs on
 the whole step at once, and only attention is split: each multi-token sequence (a prefill
 chunk) attends on its own, and all single-token sequences (decodes) attend together in one
-call, each context read through its block table (in place by the CPU kernel of
-``cpu_attention.py``, else gathered and padded to the longest).
+call, each context read through its block table: in place by the CPU kernel of
+``cpu_attention.py`` (a prefill chunk's rows as decodes of their own, each seeing the slots
+up to its position), else gathered (decodes padded to the longest, chunks under a causal
+mask).
 NOTE: padding the whole batch to (B, max_q) was rejected: a step mixing one prefill chunk
 with decodes would pad every decode to the chunk's length. For the same reason prefill and
 decode share one ``forward`` (the unit a compiler would take) instead of two top-level
@@ -55,6 +57,8 @@ class SequenceSlice:
     q_end: int
     kv_index: Tensor  # (S,) cache slots of positions 0..S-1 of the sequence (S >= q_end-q_start)
     mask: Tensor | None  # (Q, S) bool, True = visible; None when Q == 1 (sees all S)
+    block_table: Tensor  # (1, N) int64: the sequence's blocks (the CPU kernel's view)
+    lengths: Tensor  # (Q,) int64: query i sees slots 0..lengths[i]-1 (causal: S-Q+1+i)
 
 
 @dataclass(frozen=True)
@@ -250,8 +254,15 @@ class Attention(nn.Module):
         return self.wo(out.view(t, -1))  # (T, dim)
 
     def _attend(self, q: Tensor, seq: SequenceSlice) -> Tensor:
-        """One sequence: q (Q, H, D) against its whole context read through the block table."""
+        """One sequence: q (Q, H, D) against its whole context read through the block table.
+
+        Where the CPU kernel is built, each query row is a decode of its own against the
+        same blocks, seeing the slots up to its position (``seq.lengths``): causal, read in
+        place, no mask. Elsewhere the context is gathered and SDPA runs under the mask."""
         assert self.kv_cache is not None
+        if self.decode_kernel is not None:
+            return self.decode_kernel(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
+                                      seq.block_table.expand(q.shape[0], -1), seq.lengths)
         k, v = self.kv_cache.gather(seq.kv_index)  # (S, Hkv, D)
         rep = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, S, D)
