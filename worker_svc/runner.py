@@ -27,11 +27,11 @@ from worker_svc.request_state import (
 )
 from worker_svc.sampler import (
     apply_penalties,
-    exponential_noise,
     refused_tokens,
     sample,
     token_logprobs,
     token_seed,
+    uniform_draws,
 )
 from worker_svc.step import (
     Logprobs,
@@ -355,7 +355,7 @@ class StepRunner:
 
     def _draw(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """Tokens (R,) from processed logits; the work no row needs is skipped (an all-greedy
-        step draws no noise, filters that every row has off are not run)."""
+        step draws nothing, filters that every row has off are not run)."""
         params = [s.sampling for s in states]
         if all(p.temperature <= 0 for p in params):
             return logits.argmax(dim=-1)
@@ -371,8 +371,8 @@ class StepRunner:
             top_k=per_row([max(p.top_k, 0) for p in params], torch.int64, 0),
             top_p=per_row([p.top_p for p in params], torch.float32, 1.0),
             min_p=per_row([p.min_p for p in params], torch.float32, 0.0),
-            noise=exponential_noise([token_seed(s.seed, s.num_output_tokens) for s in states],
-                                    logits.shape[-1], dev),
+            uniforms=uniform_draws([token_seed(s.seed, s.num_output_tokens) for s in states],
+                                   dev),
         )
 
     def _constrain(self, logits: torch.Tensor, states: list[RequestState],

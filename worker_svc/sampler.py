@@ -12,10 +12,15 @@ parameters mean what they mean there::
                                                  +--> / temperature --> min-p --> top-k,
                                                       top-p --> categorical draw
 
-A categorical draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` per entry, which picks
-token i with probability probs[i]. The noise of output token i of a request comes from a
-generator seeded with ``mix(seed, i)``, so the same seed gives the same tokens even when
-a request is preempted and resumed, or replayed by another worker of the cell.
+A categorical draw inverts the cumulative distribution: the first token whose running
+sum of probabilities exceeds ``u * total``, which picks token i with probability
+probs[i]. ``u``, uniform in [0, 1), is a hash of ``(seed, i)`` for output token i of a
+request (:func:`uniform_draws`), so the same seed gives the same tokens even when a
+request is preempted and resumed, or replayed by another worker of the cell.
+NOTE: ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn per entry from a seeded generator
+(vLLM's way) was replaced: one generator per row drawing a vocabulary of exponentials
+took 0.9 ms a row at 49152 tokens and 2.4 ms at 151936 (13 and 40 ms for 16 rows, a
+quarter of a batch-16 decode step of SmolLM2), against one number per row here.
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ def token_seed(seed: int, output_index: int) -> int:
     return (seed + (output_index + 1) * _GOLDEN) & _MASK64
 
 
-def exponential_noise(seeds: Sequence[int], vocab: int, device: torch.device) -> Tensor:
-    """(R, vocab) Exp(1) draws, row r from a generator seeded with ``seeds[r]``."""
-    rows = []
+def uniform_draws(seeds: Sequence[int], device: torch.device) -> Tensor:
+    """(R,) float64 in [0, 1): row r a function of ``seeds[r]`` alone (SplitMix64's
+    finalizer over the 64-bit seed, its top 53 bits as the fraction)."""
+    draws = []
     for seed in seeds:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        rows.append(torch.empty(vocab, device=device).exponential_(generator=gen))
-    return torch.stack(rows) if rows else torch.empty(0, vocab, device=device)
+        z = (seed ^ (seed >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+        draws.append(((z ^ (z >> 31)) >> 11) * 2.0 ** -53)
+    return torch.tensor(draws, dtype=torch.float64).to(device)
 
 
 def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -98,11 +105,11 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None,
-           min_p: Tensor | None, noise: Tensor) -> Tensor:
+           min_p: Tensor | None, uniforms: Tensor) -> Tensor:
     """Next tokens (R,) int64. Rows with temperature 0 are greedy (argmax of the logits).
 
     logits (R, V) float32, penalties and masks applied; temperature, top_p, min_p (R,)
-    float32; top_k (R,) int64; noise (R, V) from :func:`exponential_noise` (ignored for
+    float32; top_k (R,) int64; uniforms (R,) from :func:`uniform_draws` (ignored for
     greedy rows). A filter no row uses may be None (the caller knows from the host-side
     parameters): its passes over the vocabulary are skipped (top-k/top-p sorts every row).
     """
@@ -117,7 +124,11 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Ten
             top_k if top_k is not None else torch.zeros(rows, dtype=torch.int64,
                                                         device=logits.device),
             top_p if top_p is not None else torch.ones(rows, device=logits.device))
-    drawn = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+    # float64: a float32 running sum over a 150k vocabulary drifts by ~1e-4 of the total
+    cdf = scaled.softmax(dim=-1).double()  # (R, V)
+    cdf.cumsum_(dim=-1)  # in place: a new (R, V) float64 tensor costs more than the sum
+    target = (uniforms * cdf[:, -1])[:, None]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
