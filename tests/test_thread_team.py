@@ -63,6 +63,16 @@ def test_a_hog_shrinks_the_team_and_its_end_grows_it_back() -> None:
     assert not policy.trying
 
 
+def test_a_window_straddling_the_hogs_start_does_not_set_the_baseline() -> None:
+    """Its first steps ran before the hog came, as fast as on a quiet machine: each shape's
+    baseline is its steps in the newest window of the run (measured beside a hog: a trial
+    judged on the merged windows was undone at 1.52x, the next one kept at 0.14x)."""
+    straddle = Window(2.0, 1.9, 1.4, 0.6, 0.0, {DECODE: [0.095] * 15 + [0.33] * 2})
+    policy = TeamPolicy(2)
+    assert sizes(policy, [straddle, HOG_TWO, HOG_ONE]) == [2, 1, 1]
+    assert not policy.trying and policy.last_ratio == pytest.approx(0.1 / 0.33)
+
+
 def test_a_smaller_team_that_is_slower_is_undone_and_tried_later() -> None:
     policy = TeamPolicy(2)
     assert sizes(policy, [BUSY_TWO, BUSY_TWO, BUSY_ONE]) == [2, 1, 2]

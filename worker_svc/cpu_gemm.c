@@ -39,7 +39,9 @@ int gemm_columns_multiple(void) {
 
 void panel_gemm(const float *restrict x, const float *restrict wp, float *restrict y, int m,
                 int n, int k, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+/* Dynamic: a thread that shares its core with another job takes fewer tiles instead of
+ * holding the others at the barrier. */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int t = 0; t < n / TW; t++) {
     const int n0 = t * TW;
     const float *w[NV]; /* this tile's vectors of row 0 of their panels */

@@ -152,9 +152,13 @@ class TeamPolicy:
             else:
                 self._evidence[by].clear()
             if self._runs[by] >= self.needed[by]:
+                # Each shape's steps from the newest window that has it: the first window of
+                # a run may straddle the change (a hog starting), its early steps as fast as
+                # before, and mixed in they would make the baseline the quiet one.
                 baseline: dict[Shape, list[float]] = {}
-                for steps in self._evidence[by]:
-                    merge_steps(baseline, steps)
+                for steps in reversed(self._evidence[by]):
+                    for shape, seconds in steps.items():
+                        baseline.setdefault(shape, list(seconds))
                 self._trial = _Trial(by, baseline)
                 self.size += by
                 self._runs = {-1: 0, +1: 0}
