@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines import generate, idle, running_engine
+from engines import generate, idle, running_engine, until
 from worker_relay import relay
 from workers import running_worker
 
@@ -161,8 +161,19 @@ def test_resumed_request_is_sent_a_fresh_address_item(small_worker: Path, tmp_pa
             seen: list[Request] = []
             started: list[asyncio.Task[list[int]]] = []
 
+            admitted: list[asyncio.Task[None]] = []
+
+            async def open_when_admitted() -> None:
+                await until(lambda: e.scheduler is not None and "again" in e.scheduler.requests)
+                r.gate.set()
+
             def start_again(_: Request) -> None:  # while the hog's next step is in flight
+                # The hog's steps wait at the relay until this request is admitted (its
+                # image checked and hashed off the loop): on a busy machine the hog could
+                # otherwise finish first, and nothing would be preempted.
+                r.gate.clear()
                 started.append(asyncio.create_task(generate(e, msg, on_first=seen.append)))
+                admitted.append(asyncio.create_task(open_when_admitted()))
 
             hog = await generate(e, request(
                 "Look elsewhere and keep talking: <image> then answer.", [png(2, 56, 56)],

@@ -1,11 +1,13 @@
 """A relay between a scheduler and a real worker: forwards every Worker and health call
 unchanged, records the steps, and refuses the ones a test chooses, answering as a healthy
 worker refusing a step does (INVALID_ARGUMENT with a google.rpc.ErrorInfo), or answers them
-twice (a stray reply on the step stream). A network-fault injector, not a stand-in: the
-worker behind it is the real process."""
+twice (a stray reply on the step stream), or holds the stream's steps until the test opens
+``gate`` (a slow network). A network-fault injector, not a stand-in: the worker behind it
+is the real process."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +30,8 @@ class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
         self.repeat: Callable[[worker_pb2.StepRequest], bool] = lambda _: False
         self.steps: list[worker_pb2.StepRequest] = []  # every step forwarded
         self.refused = 0
+        self.gate = asyncio.Event()  # stream steps wait for it; open unless a test closes it
+        self.gate.set()
 
     async def Describe(self, msg, context):
         return await self.worker.Describe(msg, timeout=context.time_remaining())
@@ -55,6 +59,7 @@ class Relay(worker_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):
                         code=REFUSAL.code.value[0], message=REFUSAL.message,
                         reason=REFUSAL.reason))
                 else:
+                    await self.gate.wait()
                     await upstream.write(msg)
                     reply = await upstream.read()
                     yield reply
