@@ -3,7 +3,7 @@
 The model is a tiny random Llama checkpoint with the real Qwen vocabulary and tokenizer
 (so tokens are multi-character, byte-level BPE pieces), served by two cells at once:
 ``cached`` (prefix caching on, a roomy KV pool) and ``small`` (prefix caching off, a KV
-pool of 6 blocks of 16 tokens, so two 40-token prompts growing together preempt the later
+pool of 7 blocks of 16 tokens, so two 44-token prompts growing together preempt the later
 one, and the same model directory without a chat template). Every feature must give the
 same stream on both and the same as an independent reference: transformers' logits, a
 plain-Python implementation of the penalty formulas (``sampling_reference.py``), and
@@ -41,8 +41,14 @@ PROMPT = ("Tandem serves language models with images. This test sends the same l
           "same way on both of them, preempted or not.")
 MAX_NEW = 16
 LOGPROB_ATOL = 1e-4  # float32 on CPU; transformers' logits differ by ~1e-6
-# KV pool of the small cell: 6 blocks of 16 tokens (512 bytes of KV per token).
-SMALL_KV = str(6 * 16 * 512)
+# KV pool of the small cell: 7 blocks of 16 tokens (512 bytes of KV per token). A prompt
+# takes 3 blocks and a 4th from its 5th output. The victim, arriving while the hog holds at
+# most 4 blocks, is admitted (3 free); at its 5th output both hold 4 (8 > 7) and it is
+# preempted, provided the hog still runs: HOG_NEW outputs keep it running for any arrival
+# up to the hog's 20th output. (With 6 blocks it had to arrive within the hog's first 4
+# outputs, a few milliseconds once steps got fast: CI missed it.)
+SMALL_KV = str(7 * 16 * 512)
+HOG_NEW = 44  # 44 + 44 tokens: 6 blocks, alone in the pool
 
 
 @dataclass
@@ -70,7 +76,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     del config["chat_template"]
     (out / "no-template" / "tokenizer_config.json").write_text(json.dumps(config))
     prompt_ids = reference_tokenizer(out / "model")(PROMPT)["input_ids"]
-    assert 32 < len(prompt_ids) <= 48, "the KV sizing below assumes a 3-block prompt"
+    assert 40 < len(prompt_ids) <= 44, "the KV sizing above assumes a 3-block prompt of 41-44"
     return Model(hf, out / "model", out / "no-template", prompt_ids)
 
 
@@ -182,7 +188,7 @@ def test_model_info(cells: dict[str, Cell], model: Model) -> None:
         assert info.max_prompt_tokens > 0
     assert cached.has_chat_template and not small.has_chat_template
     assert cached.prefix_caching and not small.prefix_caching
-    assert small.max_context_length == 6 * 16  # the KV pool, below max_position_embeddings
+    assert small.max_context_length == 7 * 16  # the KV pool, below max_position_embeddings
     assert cached.max_context_length == 4096  # max_position_embeddings, below the pool
 
 
@@ -196,7 +202,7 @@ def test_logprobs_equal_transformers_and_align_with_the_stream(cells: dict[str, 
     streams = [_run(cells["cached"], _request("lp-1", **sampling)),
                _run(cells["cached"], _request("lp-2", **sampling))]  # the prefix cached
     assert streams[1].last.usage.cached_prompt_tokens > 0
-    _, victim = _preempting(cells["small"], _request("lp-hog", max_tokens=MAX_NEW),
+    _, victim = _preempting(cells["small"], _request("lp-hog", max_tokens=HOG_NEW),
                             _request("lp-3", **sampling))
     streams.append(victim)
     ids = streams[0].ids
@@ -309,7 +315,8 @@ def test_stop_strings_are_found_and_cut_in_the_stream(cells: dict[str, Cell], mo
         _check_stopped(_run(cells["cached"], msg), ids, last + 1, want)
     victim = _request(f"stop-{include}-small", stop=[across],
                       include_stop_str_in_output=include)
-    _, stopped = _preempting(cells["small"], _request(f"stop-hog-{include}"), victim)
+    _, stopped = _preempting(cells["small"], _request(f"stop-hog-{include}", max_tokens=HOG_NEW),
+                              victim)
     at = text.find(across)
     _check_stopped(stopped, ids, k + 1, text[:at + len(across)] if include else text[:at])
     _nothing_held(cells["cached"])
