@@ -252,19 +252,19 @@ def main() -> None:
     levels: dict[str, Level] = {"bare": bare}
     if "runner" in wanted:
         levels["runner"] = StepLevel(args, model, "runner", runner.step)
+    def variant(pack: Callable[[Transformer], object]) -> Transformer:
+        """A second copy of the model, its linear layers laid out by ``pack``."""
+        other = load_model(args.model, device, compute_dtype(device))
+        pack(other)
+        other.setup_caches(model.num_blocks, model.block_size)
+        return other
+
     if "unpacked" in wanted:  # the bare forward with F.linear's weights, for the A/B
-        plain = load_model(args.model, device, compute_dtype(device))
-        plain.setup_caches(model.num_blocks, model.block_size)
-        levels["unpacked"] = bare.on(plain)
+        levels["unpacked"] = bare.on(variant(lambda m: None))
     if "onednn" in wanted:  # the bare forward with oneDNN's GEMM, not the panel kernel
-        blocked = load_model(args.model, device, compute_dtype(device))
-        pack_linears(blocked, panels=False)
-        blocked.setup_caches(model.num_blocks, model.block_size)
-        levels["onednn"] = bare.on(blocked)
+        levels["onednn"] = bare.on(variant(lambda m: pack_linears(m, panels=False)))
     if "gathered" in wanted:  # the bare forward with gather + SDPA decode attention
-        gathering = load_model(args.model, device, compute_dtype(device))
-        pack_linears(gathering)
-        gathering.setup_caches(model.num_blocks, model.block_size)
+        gathering = variant(pack_linears)
         for layer in gathering.layers:
             layer.attention.decode_kernel = None
         levels["gathered"] = bare.on(gathering)

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from worker_svc.batch import causal_mask
 from worker_svc.cpu_attention import decode_kernel
 from worker_svc.cpu_build import torch_openmp
 from worker_svc.model import Attention, DecodeBatch, PagedKVCache, SequenceSlice
@@ -103,11 +102,8 @@ def test_a_prefill_chunk_through_the_kernel_matches_the_masked_gather(
     assert kernel is not None
     total = computed + new
     blocks = torch.randperm(num_blocks, generator=gen)[:-(-total // block_size) + 1]
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:total]
-    seq = SequenceSlice(q_start=0, q_end=new, kv_index=slots,
-                        mask=causal_mask(computed, new, torch.device("cpu")),
-                        block_table=blocks[None, :],
-                        lengths=torch.arange(computed + 1, total + 1))
+    seq = SequenceSlice(q_start=0, q_end=new, context=total, block_table=blocks[None, :],
+                        lengths=torch.arange(computed + 1, total + 1), block_size=block_size)
     q = torch.randn(new, 9, 64, generator=gen)
     with threads(num_threads):
         a.decode_kernel = None

@@ -228,11 +228,11 @@ def test_a_batch_of_decodes_reads_each_context_and_position() -> None:
         c = s.num_computed_tokens
         assert batch.tokens[row] == s.token_ids[c]
         assert torch.equal(batch.positions[:, row:row + 1], s.positions_between(c, c + 1))
-        assert torch.equal(batch.slot_mapping[row:row + 1], s.slots(c, c + 1, BLOCK_SIZE))
+        assert batch.slot_mapping[row:row + 1].tolist() == s.slot_ids(c, c + 1, BLOCK_SIZE)
         visible = batch.decode.mask[row, 0, 0] == 0  # additive: 0 visible, -inf padding
         context = int(visible.sum())
         assert context == c + 1 and not visible[context:].any()
         read = (batch.decode.block_table[row, :, None] * BLOCK_SIZE
                 + torch.arange(BLOCK_SIZE)).flatten()  # slots of the blocks read, in order
-        assert torch.equal(read[:context], s.slots(0, c + 1, BLOCK_SIZE))
+        assert read[:context].tolist() == s.slot_ids(0, c + 1, BLOCK_SIZE)
     assert batch.decode.rows.tolist() == list(range(len(states)))

@@ -70,12 +70,11 @@ def build_batch(scheduled: Sequence[tuple[RequestState, int]], encoder_cache: En
                 columns = []
             positions.append(state.positions_between(c, c + n))
             seqs.append(SequenceSlice(
-                q_start=q_start, q_end=q_start + n,
-                kv_index=state.slots(0, c + n, block_size).to(device, non_blocking=True),
-                mask=causal_mask(c, n, device),
+                q_start=q_start, q_end=q_start + n, context=c + n,
                 block_table=torch.tensor([state.block_ids], dtype=torch.int64).to(
                     device, non_blocking=True),
                 lengths=torch.arange(c + 1, c + n + 1).to(device, non_blocking=True),
+                block_size=block_size,
             ))
         if c + n == state.num_tokens:
             logits_index.append(q_start + n - 1)
@@ -117,11 +116,3 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int],
         block_size=block_size, dtype=dtype,
     )
 
-
-def causal_mask(num_computed: int, n: int, device: torch.device) -> Tensor | None:
-    """(n, c+n) bool, True where key j <= query position c + i; None for a single query."""
-    if n == 1:
-        return None
-    q_pos = torch.arange(num_computed, num_computed + n, device=device)[:, None]  # (n, 1)
-    k_pos = torch.arange(num_computed + n, device=device)[None, :]  # (1, c+n)
-    return k_pos <= q_pos

@@ -55,10 +55,23 @@ class SequenceSlice:
 
     q_start: int  # first row of the step's flat token layout
     q_end: int
-    kv_index: Tensor  # (S,) cache slots of positions 0..S-1 of the sequence (S >= q_end-q_start)
-    mask: Tensor | None  # (Q, S) bool, True = visible; None when Q == 1 (sees all S)
-    block_table: Tensor  # (1, N) int64: the sequence's blocks (the CPU kernel's view)
+    context: int  # S: positions 0..S-1 of the sequence are in the cache (S >= q_end-q_start)
+    block_table: Tensor  # (1, N) int64: the sequence's blocks
     lengths: Tensor  # (Q,) int64: query i sees slots 0..lengths[i]-1 (causal: S-Q+1+i)
+    block_size: int
+
+    @cached_property
+    def kv_index(self) -> Tensor:
+        """(S,) cache slots of positions 0..S-1: the gathered path's, built on first use
+        (the CPU kernel reads the blocks in place)."""
+        pos = torch.arange(self.context, device=self.block_table.device)
+        return self.block_table[0, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @cached_property
+    def mask(self) -> Tensor:
+        """(Q, S) bool, True = visible: the gathered path's causal mask, built on first use."""
+        keys = torch.arange(self.context, device=self.lengths.device)
+        return keys[None, :] < self.lengths[:, None]
 
 
 @dataclass(frozen=True)

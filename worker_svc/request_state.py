@@ -112,10 +112,6 @@ class RequestState:
         table = self.block_ids
         return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
-    def slots(self, start: int, end: int, block_size: int) -> Tensor:
-        """:meth:`slot_ids` as a tensor (end - start,)."""
-        return torch.tensor(self.slot_ids(start, end, block_size), dtype=torch.int64)
-
     def drop_covered_payloads(self) -> None:
         self.features = [
             replace(f, data=None) if f.data is not None and f.is_covered(self.num_computed_tokens)
