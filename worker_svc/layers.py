@@ -17,17 +17,32 @@ import math
 import torch
 from torch import Tensor, nn
 
+from worker_svc.cpu_ops import CpuOps
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The compiled pass where the model's caches were set up on the CPU in float32.
+        self.ops: CpuOps | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, its norm): the residual stream and the next sublayer's input.
+        x must be the caller's own fresh tensor: the compiled pass sums into it."""
+        if self.ops is not None:
+            x = x.contiguous()  # a padded GEMM's output is a column slice
+            return x, self.ops.rms_norm(x, self.weight, self.eps, residual.contiguous())
+        h = x + residual
+        return h, self(h)
 
 
 def rotary_table(n_pairs: int, max_pos: int, theta: float, device: torch.device,

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker_svc.cpu_attention import PagedDecodeKernel, decode_kernel
+from worker_svc.cpu_ops import CpuOps, cpu_ops
 from worker_svc.layers import (
     RMSNorm,
     apply_rotary,
@@ -194,7 +195,11 @@ class Transformer(nn.Module):
         c = self.config
         device, dtype = self.output.weight.device, self.output.weight.dtype
         cpu_kernel = device.type == "cpu" and dtype == torch.float32
+        ops = cpu_ops() if cpu_kernel else None
+        self.norm.ops = ops
         for layer in self.layers:
+            layer.attention_norm.ops = layer.ffn_norm.ops = ops
+            layer.attention.ops = layer.feed_forward.ops = ops
             a = layer.attention
             a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim,
                                       dtype).to(device)
@@ -232,8 +237,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rot, inputs)
-        return h + self.feed_forward(self.ffn_norm(h))
+        attended = self.attention(self.attention_norm(x), rot, inputs)
+        h, normed = self.ffn_norm.add_forward(attended, x)  # h = x + attended
+        return self.feed_forward(normed).add_(h)  # the GEMM's fresh output: summed in place
 
 
 class Attention(nn.Module):
@@ -248,15 +254,21 @@ class Attention(nn.Module):
         self.kv_cache: PagedKVCache | None = None
         # Set with the cache: the in-place CPU kernel where it applies, else None (gather).
         self.decode_kernel: PagedDecodeKernel | None = None
+        self.ops: CpuOps | None = None  # likewise: the compiled rotation and cache write
 
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
         assert self.kv_cache is not None, "call setup_caches"
         t = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.n_heads, self.head_dim), rot)  # (T, H, D)
-        k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), rot)  # (T, Hkv, D)
-        v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
-        self.kv_cache.update(inputs.slot_mapping, k, v)
+        if self.ops is not None:
+            q = self.ops.rotate_into_cache(self.wqkv(x).contiguous(), rot, inputs.slot_mapping,
+                                           self.kv_cache.k_cache, self.kv_cache.v_cache,
+                                           self.n_heads)  # (T, H, D)
+        else:
+            q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(t, self.n_heads, self.head_dim), rot)  # (T, H, D)
+            k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim), rot)  # (T, Hkv, D)
+            v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
+            self.kv_cache.update(inputs.slot_mapping, k, v)
         if not inputs.seqs and inputs.decode is not None:  # decodes only: rows 0..T-1 in order
             return self.wo(self._attend_decode(q, inputs.decode).view(t, -1))
         out = torch.empty_like(q)  # (T, H, D)
@@ -319,7 +331,10 @@ class FeedForward(nn.Module):
         bias = config.mlp_bias
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=bias)
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=bias)  # down
+        self.ops: CpuOps | None = None  # the compiled SwiGLU, set with the model's caches
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.ops is not None:
+            return self.w2(self.ops.silu_mul(self.w13(x).contiguous()))
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
