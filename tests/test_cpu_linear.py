@@ -62,7 +62,7 @@ def test_a_packed_layer_at_step_sizes(rows: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 300])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 17, 300])
 @pytest.mark.parametrize(("out_features", "bias"), [(160, True), (100, False), (5, True)])
 def test_a_panel_layer_at_step_sizes(rows: int, out_features: int, bias: bool) -> None:
     """Full and partial row tiles, and widths the panels pad (100, 5 columns)."""
@@ -78,8 +78,9 @@ def test_a_panel_layer_at_step_sizes(rows: int, out_features: int, bias: bool) -
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
-    """Each output is a sum over k in order, whatever the row count: the same request
-    gets bit-identical logits alone or batched with others."""
+    """Each output is a sum over k in order, whatever the row count and whichever tiling
+    it takes (one pass up to 16 rows, tiles of 8 above): the same request gets
+    bit-identical logits alone or batched with others."""
     gemm = panel_gemm()
     assert gemm is not None
     layer = PanelLinear(nn.Linear(576, 1536), gemm)
@@ -87,6 +88,8 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     batched = layer(x)
     for i in (0, 8, 36):
         assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1])
+    for rows in (5, 16):
+        assert torch.equal(layer(x[:rows]), batched[:rows])
 
 
 @needs_kernel

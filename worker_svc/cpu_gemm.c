@@ -23,6 +23,8 @@
 #define NV 3
 #endif
 #define TW (NV * VW) /* tile width (floats) */
+#define ONE_PASS 16 /* rows: a decode batch; the switch below has a case for each count */
+#define PREFETCH 32 /* k steps: 2 KB ahead in each panel */
 
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 
@@ -49,29 +51,52 @@ void panel_gemm(const float *restrict x, const float *restrict wp, float *restri
       const int c = n0 + j * VW;
       w[j] = wp + (int64_t)(c / PW) * k * PW + c % PW;
     }
-    for (int m0 = 0; m0 < m; m0 += MT) {
-      const int rows = m - m0 < MT ? m - m0 : MT;
+    /* Up to ONE_PASS rows are one tile: each weight vector is read once per call. */
+    const int step = m <= ONE_PASS ? m : MT;
+    for (int m0 = 0; m0 < m; m0 += step) {
+      const int rows = m - m0 < step ? m - m0 : step;
       const float *xr = x + (int64_t)m0 * k;
-      vec acc[MT][NV];
-      memset(acc, 0, sizeof acc);
-/* Full tiles get a constant trip count, so the accumulators stay in registers. */
+      float *yr = y + (int64_t)m0 * n + n0;
+/* A tile of ROWS rows (a constant, so that the accumulators can stay in registers). The
+ * weights a few k ahead are prefetched: the hardware prefetcher alone kept a decode
+ * step's weight stream at ~14 GB/s of the ~23 this machine reads (measured, 16 rows). */
 #define TILE(ROWS)                                                                         \
-  for (int kk = 0; kk < k; kk++) {                                                         \
-    vec wv[NV];                                                                            \
-    for (int j = 0; j < NV; j++) wv[j] = *(const vec *)(w[j] + (int64_t)kk * PW);          \
-    for (int i = 0; i < (ROWS); i++) {                                                     \
-      const float s = xr[(int64_t)i * k + kk];                                             \
-      for (int j = 0; j < NV; j++) acc[i][j] += wv[j] * s;                                 \
+  {                                                                                        \
+    vec acc[ROWS][NV];                                                                     \
+    memset(acc, 0, sizeof acc);                                                            \
+    for (int kk = 0; kk < k; kk++) {                                                       \
+      vec wv[NV];                                                                          \
+      for (int j = 0; j < NV; j++) {                                                       \
+        wv[j] = *(const vec *)(w[j] + (int64_t)kk * PW);                                   \
+        if (kk + PREFETCH < k) __builtin_prefetch(w[j] + (int64_t)(kk + PREFETCH) * PW);   \
+      }                                                                                    \
+      for (int i = 0; i < (ROWS); i++) {                                                   \
+        const float s = xr[(int64_t)i * k + kk];                                           \
+        for (int j = 0; j < NV; j++) acc[i][j] += wv[j] * s;                               \
+      }                                                                                    \
     }                                                                                      \
-  }
-      if (rows == MT) {
-        TILE(MT)
-      } else {
-        TILE(rows)
+    for (int i = 0; i < (ROWS); i++)                                                       \
+      for (int j = 0; j < NV; j++) memcpy(yr + (int64_t)i * n + j * VW, &acc[i][j], sizeof(vec)); \
+  }                                                                                        \
+  break;
+      switch (rows) {
+        case 1: TILE(1)
+        case 2: TILE(2)
+        case 3: TILE(3)
+        case 4: TILE(4)
+        case 5: TILE(5)
+        case 6: TILE(6)
+        case 7: TILE(7)
+        case 8: TILE(8)
+        case 9: TILE(9)
+        case 10: TILE(10)
+        case 11: TILE(11)
+        case 12: TILE(12)
+        case 13: TILE(13)
+        case 14: TILE(14)
+        case 15: TILE(15)
+        default: TILE(ONE_PASS)
       }
-      for (int i = 0; i < rows; i++)
-        for (int j = 0; j < NV; j++)
-          memcpy(y + (int64_t)(m0 + i) * n + n0 + j * VW, &acc[i][j], sizeof(vec));
     }
   }
 }
