@@ -266,7 +266,7 @@ def main() -> None:
     if "gathered" in wanted:  # the bare forward with gather + SDPA decode attention
         gathering = variant(pack_linears)
         for layer in gathering.layers:
-            layer.attention.decode_kernel = None
+            layer.attention.kernel = None
         levels["gathered"] = bare.on(gathering)
     if "grpc" not in wanted:
         rounds = run_rounds(args, levels)

@@ -1,6 +1,6 @@
-"""The CPU decode-attention kernel (worker_svc/cpu_attention.py) against the gathered path
-it replaces: random caches, scattered block tables, every split of the work; for decodes
-and for prefill chunks, whose query rows it runs as decodes of their own."""
+"""The CPU attention kernels (worker_svc/cpu_attention.py) against the gathered path
+they replace: random caches, scattered block tables, every split of the work; for decodes
+and for prefill chunks (their own kernel: tiles of query rows sharing each block)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from worker_svc.cpu_attention import decode_kernel
+from worker_svc.cpu_attention import attention_kernel
 from worker_svc.cpu_build import torch_openmp
 from worker_svc.model import Attention, DecodeBatch, PagedKVCache, SequenceSlice
 from worker_svc.model_config import ModelConfig
@@ -30,6 +30,15 @@ def threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+GEOMETRIES = [
+    (3, 3, 64, 16),  # SmolLM2-135M
+    (2, 7, 128, 16),  # Qwen2-VL-7B's grouping
+    (4, 1, 16, 32),  # no grouping, the built-in preset's head size
+    (1, 4, 80, 8),  # a head size that is no multiple of the vector width
+]
+
 
 
 def attention(n_kv_heads: int, n_rep: int, head_dim: int, block_size: int,
@@ -60,19 +69,14 @@ def decode_batch(lengths: list[int], block_size: int, num_blocks: int,
 
 
 @needs_compiler
-@pytest.mark.parametrize(("n_kv_heads", "n_rep", "head_dim", "block_size"), [
-    (3, 3, 64, 16),  # SmolLM2-135M
-    (2, 7, 128, 16),  # Qwen2-VL-7B's grouping
-    (4, 1, 16, 32),  # no grouping, the built-in preset's head size
-    (1, 4, 80, 8),  # a head size that is no multiple of the vector width
-])
+@pytest.mark.parametrize(("n_kv_heads", "n_rep", "head_dim", "block_size"), GEOMETRIES)
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim: int,
                                            block_size: int, num_threads: int) -> None:
     gen = torch.Generator().manual_seed(n_kv_heads * 1000 + head_dim)
     num_blocks = 200
     a = attention(n_kv_heads, n_rep, head_dim, block_size, num_blocks)
-    kernel = decode_kernel(n_kv_heads, n_rep, head_dim, block_size)
+    kernel = attention_kernel(n_kv_heads, n_rep, head_dim, block_size)
     assert kernel is not None
     # One sequence (work split per key head) and many (per sequence); lengths of one slot,
     # of whole blocks and in between.
@@ -81,46 +85,55 @@ def test_kernel_matches_gathered_attention(n_kv_heads: int, n_rep: int, head_dim
         batch = decode_batch(lengths, block_size, num_blocks, gen)
         q = torch.randn(len(lengths), n_kv_heads * n_rep, head_dim, generator=gen)
         with threads(num_threads):
-            a.decode_kernel = None
+            a.kernel = None
             expected = a._attend_decode(q, batch)
-            a.decode_kernel = kernel
+            a.kernel = kernel
             got = a._attend_decode(q, batch)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_compiler
-@pytest.mark.parametrize(("computed", "new"), [(0, 37), (45, 20), (16, 16), (0, 2)])
+@pytest.mark.parametrize(("computed", "new"), [(0, 37), (45, 20), (16, 16), (0, 2), (3, 1)])
+@pytest.mark.parametrize(("n_kv_heads", "n_rep", "head_dim", "block_size"), GEOMETRIES)
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_a_prefill_chunk_through_the_kernel_matches_the_masked_gather(
-        computed: int, new: int, num_threads: int) -> None:
+        computed: int, new: int, n_kv_heads: int, n_rep: int, head_dim: int, block_size: int,
+        num_threads: int) -> None:
     """A chunk of ``new`` tokens after ``computed`` cached ones (a prefix hit, or an
-    earlier chunk): query i sees slots 0..computed+i, as the causal mask says."""
-    gen = torch.Generator().manual_seed(computed * 100 + new)
-    block_size, num_blocks = 16, 64
-    a = attention(3, 3, 64, block_size, num_blocks)
-    kernel = decode_kernel(3, 3, 64, block_size)
+    earlier chunk): query i sees slots 0..computed+i, as the causal mask says. Rows in
+    tiles of 8 and a partial one (37), a chunk inside one block (2), a single row (1)."""
+    gen = torch.Generator().manual_seed(computed * 100 + new + head_dim)
+    num_blocks = 64
+    a = attention(n_kv_heads, n_rep, head_dim, block_size, num_blocks)
+    kernel = attention_kernel(n_kv_heads, n_rep, head_dim, block_size)
     assert kernel is not None
     total = computed + new
     blocks = torch.randperm(num_blocks, generator=gen)[:-(-total // block_size) + 1]
     seq = SequenceSlice(q_start=0, q_end=new, context=total, block_table=blocks[None, :],
                         lengths=torch.arange(computed + 1, total + 1), block_size=block_size)
-    q = torch.randn(new, 9, 64, generator=gen)
+    q = torch.randn(new, n_kv_heads * n_rep, head_dim, generator=gen)
     with threads(num_threads):
-        a.decode_kernel = None
+        a.kernel = None
         expected = a._attend(q, seq)
-        a.decode_kernel = kernel
+        a.kernel = kernel
         got = a._attend(q, seq)
-        direct = kernel(q, a.kv_cache.k_cache, a.kv_cache.v_cache,
-                        blocks[None, :].expand(new, -1), seq.lengths)
+        direct = kernel.prefill(q, a.kv_cache.k_cache, a.kv_cache.v_cache, blocks,
+                                seq.lengths)
+        # Cut at a row that is no multiple of the tile: each row's answer stays the same.
+        cut = new // 3
+        halves = torch.cat([kernel.prefill(q[rows], a.kv_cache.k_cache, a.kv_cache.v_cache,
+                                           blocks, seq.lengths[rows])
+                            for rows in (slice(0, cut), slice(cut, new))])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, direct)  # the kernel's own answer, not the gather's
+    assert torch.equal(halves, direct)
 
 
 @needs_compiler
 def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     """A library linked with -ffast-math turns on flush-to-zero for the whole process when
     it loads (crtfastmath.o), which broke hypothesis's float strategies in the fuzz tests."""
-    build = decode_kernel.__wrapped__  # a fresh build and load, not the per-process cache
+    build = attention_kernel.__wrapped__  # a fresh build and load, not the per-process cache
     assert build(2, 2, 32, 16) is not None
     tiny = float.fromhex("0x1p-1074")  # the smallest subnormal double
     assert tiny * float(len("x")) > 0.0  # computed at run time, not folded by the compiler
@@ -129,15 +142,15 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
 
 @needs_compiler
 def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
-    kernel = decode_kernel(3, 3, 64, 16)
+    kernel = attention_kernel(3, 3, 64, 16)
     assert kernel is not None
     a = attention(3, 3, 64, 16, 8)
     assert a.kv_cache is not None
     table, lengths = torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 5])
     with pytest.raises(ValueError, match="called with q"):  # head size 32, not 64
-        kernel(torch.randn(2, 9, 32), a.kv_cache.k_cache, a.kv_cache.v_cache, table, lengths)
+        kernel.decode(torch.randn(2, 9, 32), a.kv_cache.k_cache, a.kv_cache.v_cache, table, lengths)
     with pytest.raises(ValueError, match="called with q"):  # int32 table
-        kernel(torch.randn(2, 9, 64), a.kv_cache.k_cache, a.kv_cache.v_cache,
+        kernel.decode(torch.randn(2, 9, 64), a.kv_cache.k_cache, a.kv_cache.v_cache,
                table.int(), lengths)
 
 
@@ -145,7 +158,7 @@ def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
                     "before it tries a compiler")
 def test_without_a_compiler_attention_gathers_and_says_why(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    build = decode_kernel.__wrapped__  # not the per-process cache
+    build = attention_kernel.__wrapped__  # not the per-process cache
     monkeypatch.setenv("CC", "tandem-no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
         assert build(3, 3, 64, 16) is None

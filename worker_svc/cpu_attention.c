@@ -90,3 +90,106 @@ void paged_decode(const float *restrict q, const float *restrict k_cache,
     }
   }
 }
+
+/* Query rows of a tile in the prefill kernel: the K block each key head transposes is
+ * shared by the tile's rows (and their REP heads). */
+#define QT 8
+
+/* The prefill kernel's work on one query row is in the two functions below, out of line
+ * on purpose: each is then one body of instructions for every row. Inlined in the tile
+ * loop, the compiler (-ffast-math) rewrote the last division differently with the tile's
+ * row count, and a row's result depended, by an ulp, on the rows that shared its tile. */
+
+/* One query row (its REP heads of key head g) against the first n keys of a block: kt the
+ * block's keys transposed (D, BS), vb its values (row stride ROW). */
+__attribute__((noinline)) static void row_block(const float qs[restrict REP][D],
+                                                const float kt[restrict D][BS],
+                                                const float *restrict vb, int n,
+                                                float m[restrict REP], float l[restrict REP],
+                                                float acc[restrict REP][D]) {
+  /* The scores of the REP heads at once, d in two halves (even, odd): six or more
+   * independent sums in flight rather than one chain of D dependent multiply-adds. */
+  float even[REP][BS] = {{0}}, odd[REP][BS] = {{0}}, p[REP][BS];
+  for (int d = 0; d < D; d += 2)
+    for (int e = 0; e < REP; e++)
+      for (int j = 0; j < BS; j++) {
+        even[e][j] += qs[e][d] * kt[d][j];
+        odd[e][j] += qs[e][d + 1] * kt[d + 1][j];
+      }
+  for (int e = 0; e < REP; e++) {
+    float s[BS];
+    for (int j = 0; j < BS; j++) s[j] = even[e][j] + odd[e][j];
+    /* The keys past n: -FLT_MAX, whose exp is 0 (finite, for -ffast-math). */
+    for (int j = n; j < BS; j++) s[j] = -FLT_MAX;
+    float mx = m[e];
+    for (int j = 0; j < BS; j++) mx = s[j] > mx ? s[j] : mx;
+    const float corr = expf(m[e] - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < BS; j++) {
+      p[e][j] = expf(s[j] - mx);
+      sum += p[e][j];
+    }
+    l[e] = l[e] * corr + sum;
+    m[e] = mx;
+    for (int d = 0; d < D; d++) acc[e][d] *= corr;
+  }
+  for (int j = 0; j < n; j++) {
+    const float *v = vb + j * ROW;
+    for (int e = 0; e < REP; e++)
+      for (int d = 0; d < D; d++) acc[e][d] += p[e][j] * v[d];
+  }
+}
+
+/* The row's REP heads, normalized, to out. */
+__attribute__((noinline)) static void row_out(const float acc[REP][D], const float l[REP],
+                                              float *restrict out) {
+  for (int e = 0; e < REP; e++) {
+    const float inv = 1.f / l[e];
+    for (int d = 0; d < D; d++) out[e * D + d] = acc[e][d] * inv;
+  }
+}
+
+/* A prefill chunk of one sequence: query row i (H heads of D) sees slots 0..lengths[i]-1
+ * of the blocks in `table`. One task is a tile of QT rows against one key head. Each K
+ * block is transposed once per task, so the scores of a query against the block's BS keys
+ * are BS lanes summed over d, with no horizontal sums; the decode kernel above takes one
+ * key at a time instead, which suits its single query per sequence. */
+void paged_prefill(const float *restrict q, const float *restrict k_cache,
+                   const float *restrict v_cache, const int64_t *restrict table,
+                   const int64_t *restrict lengths, float *restrict out, int rows, float scale,
+                   int threads) {
+  const int tiles = (rows + QT - 1) / QT;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int task = 0; task < tiles * HKV; task++) {
+    const int r0 = task / HKV * QT, g = task % HKV;
+    const int nr = rows - r0 < QT ? rows - r0 : QT;
+    float m[QT][REP], l[QT][REP], acc[QT][REP][D], qs[QT][REP][D], kt[D][BS];
+    int64_t longest = 0;
+    for (int r = 0; r < nr; r++) {
+      const int64_t len = lengths[r0 + r];
+      longest = len > longest ? len : longest;
+      for (int e = 0; e < REP; e++) {
+        m[r][e] = -FLT_MAX;
+        l[r][e] = 0.f;
+        for (int d = 0; d < D; d++) {
+          acc[r][e][d] = 0.f;
+          qs[r][e][d] = q[((int64_t)(r0 + r) * H + g * REP + e) * D + d] * scale;
+        }
+      }
+    }
+    for (int64_t t0 = 0; t0 < longest; t0 += BS) {
+      const int64_t i = t0 / BS;
+      const float *kb = k_cache + table[i] * BS * ROW + g * D;
+      const float *vb = v_cache + table[i] * BS * ROW + g * D;
+      for (int j = 0; j < BS; j++)
+        for (int d = 0; d < D; d++) kt[d][j] = kb[j * ROW + d];
+      for (int r = 0; r < nr; r++) {
+        const int64_t left = lengths[r0 + r] - t0;
+        if (left > 0) row_block(qs[r], kt, vb, left < BS ? (int)left : BS, m[r], l[r], acc[r]);
+      }
+    }
+    for (int r = 0; r < nr; r++)
+      row_out(acc[r], l[r], out + ((int64_t)(r0 + r) * H + g * REP) * D);
+  }
+}

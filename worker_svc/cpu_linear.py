@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker_svc.cpu_build import build_library
+from worker_svc.cpu_build import avx512, build_library
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def panel_gemm() -> PanelGemm | None:
 
 def panels_pay() -> bool:
     """Where the panel kernel beats oneDNN (measured): CPUs with AVX-512."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return avx512()
 
 
 class PanelLinear(nn.Module):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker_svc.cpu_attention import PagedDecodeKernel, decode_kernel
+from worker_svc.cpu_attention import PagedAttentionKernel, attention_kernel
 from worker_svc.cpu_ops import CpuOps, cpu_ops
 from worker_svc.layers import (
     RMSNorm,
@@ -203,7 +203,7 @@ class Transformer(nn.Module):
             a = layer.attention
             a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim,
                                       dtype).to(device)
-            a.decode_kernel = (decode_kernel(a.n_kv_heads, a.n_heads // a.n_kv_heads,
+            a.kernel = (attention_kernel(a.n_kv_heads, a.n_heads // a.n_kv_heads,
                                              c.head_dim, block_size) if cpu_kernel else None)
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
                                  c.rope_llama3)
@@ -253,7 +253,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.q_size, config.dim, bias=config.out_bias)
         self.kv_cache: PagedKVCache | None = None
         # Set with the cache: the in-place CPU kernel where it applies, else None (gather).
-        self.decode_kernel: PagedDecodeKernel | None = None
+        self.kernel: PagedAttentionKernel | None = None
         self.ops: CpuOps | None = None  # likewise: the compiled rotation and cache write
 
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
@@ -281,13 +281,13 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, seq: SequenceSlice) -> Tensor:
         """One sequence: q (Q, H, D) against its whole context read through the block table.
 
-        Where the CPU kernel is built, each query row is a decode of its own against the
-        same blocks, seeing the slots up to its position (``seq.lengths``): causal, read in
-        place, no mask. Elsewhere the context is gathered and SDPA runs under the mask."""
+        Where the CPU kernel is built, it reads the blocks in place, each query row seeing
+        the slots up to its position (``seq.lengths``): causal, no mask. Elsewhere the
+        context is gathered and SDPA runs under the mask."""
         assert self.kv_cache is not None
-        if self.decode_kernel is not None:
-            return self.decode_kernel(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
-                                      seq.block_table.expand(q.shape[0], -1), seq.lengths)
+        if self.kernel is not None:
+            return self.kernel.prefill(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
+                                       seq.block_table[0], seq.lengths)
         k, v = self.kv_cache.gather(seq.kv_index)  # (S, Hkv, D)
         rep = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, S, D)
@@ -307,8 +307,8 @@ class Attention(nn.Module):
         decode step of SmolLM2 (docs/worker.md).
         """
         assert self.kv_cache is not None
-        if self.decode_kernel is not None:
-            return self.decode_kernel(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
+        if self.kernel is not None:
+            return self.kernel.decode(q, self.kv_cache.k_cache, self.kv_cache.v_cache,
                                       batch.block_table, batch.lengths)
         b = q.shape[0]
         k, v = self.kv_cache.gather_blocks(batch.block_table)  # (B, S, Hkv, D)
