@@ -15,7 +15,7 @@
 #define PW 16 /* panel width (floats): the layout, the same on every CPU */
 #if defined(__AVX512F__)
 #define VW 16 /* floats per vector */
-#define MT 8  /* rows of x per tile: MT * NV accumulators + NV weights + 1 broadcast */
+#define MT 12 /* rows of x per tile: MT * NV accumulators + NV weights + 1 broadcast (27 of 32) */
 #define NV 2  /* vectors per tile row */
 #else
 #define VW 8
