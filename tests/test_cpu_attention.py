@@ -46,7 +46,8 @@ def attention(n_kv_heads: int, n_rep: int, head_dim: int, block_size: int,
     """One layer's attention with a random cache (its projections are not used here)."""
     a = Attention(ModelConfig())
     a.n_kv_heads, a.n_heads, a.head_dim = n_kv_heads, n_kv_heads * n_rep, head_dim
-    a.kv_cache = PagedKVCache(num_blocks, block_size, n_kv_heads, head_dim, torch.float32)
+    a.kv_cache = PagedKVCache(num_blocks, block_size, n_kv_heads, head_dim, torch.float32,
+                              keys_by_dim=True)  # the kernels' layout
     a.kv_cache.k_cache.normal_()
     a.kv_cache.v_cache.normal_(std=2.0)
     return a
@@ -124,9 +125,13 @@ def test_a_prefill_chunk_through_the_kernel_matches_the_masked_gather(
         halves = torch.cat([kernel.prefill(q[rows], a.kv_cache.k_cache, a.kv_cache.v_cache,
                                            blocks, seq.lengths[rows])
                             for rows in (slice(0, cut), slice(cut, new))])
+        # The same rows as decodes (each its own table row): the same per-row code.
+        decoded = kernel.decode(q, a.kv_cache.k_cache, a.kv_cache.v_cache,
+                                blocks[None, :].expand(new, -1), seq.lengths)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, direct)  # the kernel's own answer, not the gather's
     assert torch.equal(halves, direct)
+    assert torch.equal(decoded, direct)  # a position's bits: prefilled or decoded alike
 
 
 @needs_compiler
@@ -148,7 +153,8 @@ def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
     assert a.kv_cache is not None
     table, lengths = torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 5])
     with pytest.raises(ValueError, match="called with q"):  # head size 32, not 64
-        kernel.decode(torch.randn(2, 9, 32), a.kv_cache.k_cache, a.kv_cache.v_cache, table, lengths)
+        kernel.decode(torch.randn(2, 9, 32), a.kv_cache.k_cache, a.kv_cache.v_cache, table,
+                      lengths)
     with pytest.raises(ValueError, match="called with q"):  # int32 table
         kernel.decode(torch.randn(2, 9, 64), a.kv_cache.k_cache, a.kv_cache.v_cache,
                table.int(), lengths)

@@ -17,7 +17,7 @@ from worker_svc.layers import (
     rotary_for_positions,
     rotary_table,
 )
-from worker_svc.model import Transformer
+from worker_svc.model import PagedKVCache, Transformer
 from worker_svc.model_config import PRESETS
 from worker_svc.runner import StepRunner
 
@@ -76,15 +76,17 @@ def test_rotation_and_cache_write_match_torch(rows: int, n_heads: int, n_kv_head
     sections = (head_dim // 4, head_dim // 8, head_dim // 2 - head_dim // 4 - head_dim // 8)
     rot = rotary_for_positions(table, positions, pair_components(sections, CPU))  # M-RoPE
     slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
-    k_cache = torch.zeros(blocks, block_size, n_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
+    cache = PagedKVCache(blocks, block_size, n_kv_heads, head_dim, torch.float32,
+                         keys_by_dim=True)
+    k_cache, v_cache = cache.k_cache, cache.v_cache
 
     q = ops.rotate_into_cache(qkv, rot, slots, k_cache, v_cache, n_heads)
 
     q_ref, k_ref, v_ref = qkv.split([n_heads * head_dim, n_kv_heads * head_dim,
                                      n_kv_heads * head_dim], dim=-1)
     torch.testing.assert_close(q, apply_rotary(q_ref.view(rows, n_heads, head_dim), rot))
-    flat_k, flat_v = k_cache.view(-1, n_kv_heads, head_dim), v_cache.view(-1, n_kv_heads, head_dim)
+    flat_k = cache.keys().reshape(-1, n_kv_heads, head_dim)  # (slots, Hkv, D)
+    flat_v = v_cache.view(-1, n_kv_heads, head_dim)
     torch.testing.assert_close(flat_k[slots], apply_rotary(
         k_ref.reshape(rows, n_kv_heads, head_dim), rot))
     torch.testing.assert_close(flat_v[slots], v_ref.reshape(rows, n_kv_heads, head_dim),
@@ -97,12 +99,13 @@ def test_rotation_and_cache_write_match_torch(rows: int, n_heads: int, n_kv_head
 def test_a_slot_out_of_range_is_refused_and_writes_nothing_there() -> None:
     ops = cpu_ops()
     assert ops is not None
-    k_cache = torch.zeros(4, 16, 1, 16)
-    v_cache = torch.zeros_like(k_cache)
+    cache = PagedKVCache(4, 16, 1, 16, torch.float32, keys_by_dim=True)
     rot = torch.polar(torch.ones(2, 8), torch.zeros(2, 8))
     with pytest.raises(IndexError, match="1 of 2 cache slots out of range"):
-        ops.rotate_into_cache(torch.ones(2, 48), rot, torch.tensor([3, 64]), k_cache, v_cache, 1)
-    assert k_cache.view(-1, 16)[3].eq(1).all() and k_cache.sum() == 16
+        ops.rotate_into_cache(torch.ones(2, 48), rot, torch.tensor([3, 64]), cache.k_cache,
+                              cache.v_cache, 1)
+    assert cache.keys().reshape(-1, 16)[3].eq(1).all() and cache.k_cache.sum() == 16
+    assert cache.v_cache.view(-1, 16)[3].eq(1).all() and cache.v_cache.sum() == 16
 
 
 def test_a_layout_the_c_code_cannot_read_is_refused() -> None:
@@ -115,8 +118,8 @@ def test_a_layout_the_c_code_cannot_read_is_refused() -> None:
     with pytest.raises(ValueError, match="silu_mul called with"):
         ops.silu_mul(torch.ones(4, 7))
     with pytest.raises(ValueError, match="rotate_into_cache called with"):
-        ops.rotate_into_cache(torch.ones(2, 40), torch.ones(2, 8, dtype=torch.complex64),
-                              torch.tensor([0, 1]), torch.zeros(4, 16, 1, 16),
+        ops.rotate_into_cache(torch.ones(2, 48), torch.ones(2, 8, dtype=torch.complex64),
+                              torch.tensor([0, 1]), torch.zeros(4, 16, 1, 16),  # keys by slot
                               torch.zeros(4, 16, 1, 16), 1)
 
 

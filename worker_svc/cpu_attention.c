@@ -1,107 +1,32 @@
-/* Decode attention over a paged KV cache, read in place (worker_svc/cpu_attention.py).
+/* Attention over a paged KV cache, read in place (worker_svc/cpu_attention.py).
  *
  * Compiled at load for one cache geometry: HKV key heads, REP query heads per key head,
- * head size D, BS slots per block. The cache is (blocks, BS, HKV, D) float32 for keys and
- * for values; query b (H = HKV * REP heads of D) attends to slots 0..lengths[b]-1 of its
- * sequence, slot t living in block table[b][t / BS] at offset t % BS.
+ * head size D, BS slots per block. Keys are cached (blocks, HKV, D, BS): a block's keys of
+ * one head are D rows of BS slots, so a query's scores against the block are BS vector
+ * lanes summed over d, with no horizontal sum per key and no transpose. Values are cached
+ * (blocks, BS, HKV, D). A query row (H = HKV * REP heads of D) attends to slots
+ * 0..length-1 of its sequence, slot t living in block table[t / BS] at offset t % BS.
  *
- * One task is one sequence (or one key head of it when there are few sequences): it walks
- * the sequence's blocks once, each block's rows contiguous, with a running (online)
- * softmax per query head, so no context is gathered and no padding is read. The next
- * block is prefetched while this one is computed: the blocks of a sequence are scattered
- * over the pool, which defeats the hardware prefetcher at every block boundary.
+ * Decodes and prefill chunks run the same per-row code (row_block, row_out) in the same
+ * order, so a position computed in a prefill chunk and the same position decoded get the
+ * same bits, whatever the rows beside them. The two functions are out of line on purpose:
+ * each is then one body of instructions for every row. Inlined in a tile loop, GCC (with
+ * -ffast-math) rewrote the final division with the tile's row count, and a row's result
+ * depended, by an ulp, on the rows that shared its tile.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 
 #define H (HKV * REP)
-#define ROW (HKV * D) /* floats per slot */
-
-void paged_decode(const float *restrict q, const float *restrict k_cache,
-                  const float *restrict v_cache, const int64_t *restrict table,
-                  int64_t table_stride, const int64_t *restrict lengths, float *restrict out,
-                  int batch, int split, float scale, int threads) {
-  const int heads_per_task = HKV / split; /* key heads */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int task = 0; task < batch * split; task++) {
-    const int b = task / split, g0 = (task % split) * heads_per_task;
-    const int h0 = g0 * REP, h1 = (g0 + heads_per_task) * REP;
-    float m[H], l[H], acc[H][D], qs[H][D], p[REP][BS];
-    for (int h = h0; h < h1; h++) {
-      /* -FLT_MAX, not -INFINITY: the kernel is built with -ffast-math (finite math). */
-      m[h] = -FLT_MAX;
-      l[h] = 0.f;
-      for (int d = 0; d < D; d++) {
-        acc[h][d] = 0.f;
-        qs[h][d] = q[((int64_t)b * H + h) * D + d] * scale;
-      }
-    }
-    const int64_t len = lengths[b];
-    const int64_t *blocks = table + (int64_t)b * table_stride;
-    for (int64_t t0 = 0; t0 < len; t0 += BS) {
-      const int64_t i = t0 / BS;
-      const int n = len - t0 < BS ? (int)(len - t0) : BS;
-      if (t0 + BS < len) {
-        const char *nk = (const char *)(k_cache + blocks[i + 1] * BS * ROW);
-        const char *nv = (const char *)(v_cache + blocks[i + 1] * BS * ROW);
-        for (int o = 0; o < BS * ROW * (int)sizeof(float); o += 64) {
-          __builtin_prefetch(nk + o);
-          __builtin_prefetch(nv + o);
-        }
-      }
-      const float *kb = k_cache + blocks[i] * BS * ROW;
-      const float *vb = v_cache + blocks[i] * BS * ROW;
-      for (int g = g0; g < g0 + heads_per_task; g++) {
-        for (int r = 0; r < REP; r++) {
-          const int h = g * REP + r;
-          float mx = m[h];
-          for (int j = 0; j < n; j++) {
-            const float *k = kb + j * ROW + g * D;
-            float s = 0.f;
-            for (int d = 0; d < D; d++) s += qs[h][d] * k[d];
-            p[r][j] = s;
-            mx = s > mx ? s : mx;
-          }
-          /* Rescale what was summed under the old maximum once per block, not per key. */
-          const float corr = expf(m[h] - mx);
-          float sum = 0.f;
-          for (int j = 0; j < n; j++) {
-            p[r][j] = expf(p[r][j] - mx);
-            sum += p[r][j];
-          }
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
-          for (int d = 0; d < D; d++) acc[h][d] *= corr;
-        }
-        for (int j = 0; j < n; j++) {
-          const float *v = vb + j * ROW + g * D;
-          for (int r = 0; r < REP; r++) {
-            float *a = acc[g * REP + r];
-            const float w = p[r][j];
-            for (int d = 0; d < D; d++) a[d] += w * v[d];
-          }
-        }
-      }
-    }
-    for (int h = h0; h < h1; h++) {
-      const float inv = 1.f / l[h];
-      for (int d = 0; d < D; d++) out[((int64_t)b * H + h) * D + d] = acc[h][d] * inv;
-    }
-  }
-}
-
-/* Query rows of a tile in the prefill kernel: the K block each key head transposes is
- * shared by the tile's rows (and their REP heads). */
+#define ROW (HKV * D)      /* floats per slot of the value cache */
+#define KBLOCK (HKV * D * BS) /* floats per block of either cache */
+/* Query rows of a prefill tile: they share each block's reads. */
 #define QT 8
 
-/* The prefill kernel's work on one query row is in the two functions below, out of line
- * on purpose: each is then one body of instructions for every row. Inlined in the tile
- * loop, the compiler (-ffast-math) rewrote the last division differently with the tile's
- * row count, and a row's result depended, by an ulp, on the rows that shared its tile. */
-
-/* One query row (its REP heads of key head g) against the first n keys of a block: kt the
- * block's keys transposed (D, BS), vb its values (row stride ROW). */
+/* One query row (its REP heads of one key head) against the first n slots of a block: kt
+ * the block's keys of that head (D, BS), vb its values of that head (row stride ROW); m, l
+ * and acc the running (online) softmax. */
 __attribute__((noinline)) static void row_block(const float qs[restrict REP][D],
                                                 const float kt[restrict D][BS],
                                                 const float *restrict vb, int n,
@@ -119,7 +44,7 @@ __attribute__((noinline)) static void row_block(const float qs[restrict REP][D],
   for (int e = 0; e < REP; e++) {
     float s[BS];
     for (int j = 0; j < BS; j++) s[j] = even[e][j] + odd[e][j];
-    /* The keys past n: -FLT_MAX, whose exp is 0 (finite, for -ffast-math). */
+    /* The slots past n: -FLT_MAX, whose exp is 0 (finite, for -ffast-math). */
     for (int j = n; j < BS; j++) s[j] = -FLT_MAX;
     float mx = m[e];
     for (int j = 0; j < BS; j++) mx = s[j] > mx ? s[j] : mx;
@@ -150,11 +75,66 @@ __attribute__((noinline)) static void row_out(const float acc[REP][D], const flo
   }
 }
 
-/* A prefill chunk of one sequence: query row i (H heads of D) sees slots 0..lengths[i]-1
- * of the blocks in `table`. One task is a tile of QT rows against one key head. Each K
- * block is transposed once per task, so the scores of a query against the block's BS keys
- * are BS lanes summed over d, with no horizontal sums; the decode kernel above takes one
- * key at a time instead, which suits its single query per sequence. */
+/* Rows r0..r0+nr-1 of q, sharing one block table, against key head g: each walks its
+ * blocks once, the next block prefetched while this one is computed (a sequence's
+ * blocks are scattered over the pool, which defeats the hardware prefetcher at every
+ * block boundary). */
+static void attend_rows(const float *restrict q, const float *restrict k_cache,
+                        const float *restrict v_cache, const int64_t *restrict table,
+                        const int64_t *restrict lengths, float *restrict out, int r0, int nr,
+                        int g, float scale) {
+  float m[QT][REP], l[QT][REP], acc[QT][REP][D], qs[QT][REP][D];
+  int64_t longest = 0;
+  for (int r = 0; r < nr; r++) {
+    const int64_t len = lengths[r0 + r];
+    longest = len > longest ? len : longest;
+    for (int e = 0; e < REP; e++) {
+      m[r][e] = -FLT_MAX;
+      l[r][e] = 0.f;
+      for (int d = 0; d < D; d++) {
+        acc[r][e][d] = 0.f;
+        qs[r][e][d] = q[((int64_t)(r0 + r) * H + g * REP + e) * D + d] * scale;
+      }
+    }
+  }
+  for (int64_t t0 = 0; t0 < longest; t0 += BS) {
+    const int64_t i = t0 / BS;
+    if (t0 + BS < longest) {
+      const char *nk = (const char *)(k_cache + table[i + 1] * KBLOCK + g * D * BS);
+      const float *nv = v_cache + table[i + 1] * KBLOCK + g * D;
+      for (int o = 0; o < D * BS * (int)sizeof(float); o += 64) __builtin_prefetch(nk + o);
+      for (int j = 0; j < BS; j++)
+        for (int o = 0; o < D * (int)sizeof(float); o += 64)
+          __builtin_prefetch((const char *)(nv + j * ROW) + o);
+    }
+    const float(*kt)[BS] = (const float(*)[BS])(k_cache + table[i] * KBLOCK + g * D * BS);
+    const float *vb = v_cache + table[i] * KBLOCK + g * D;
+    for (int r = 0; r < nr; r++) {
+      const int64_t left = lengths[r0 + r] - t0;
+      if (left > 0) row_block(qs[r], kt, vb, left < BS ? (int)left : BS, m[r], l[r], acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; r++)
+    row_out(acc[r], l[r], out + ((int64_t)(r0 + r) * H + g * REP) * D);
+}
+
+/* Decodes: query b against the first lengths[b] slots of the blocks in row b of table
+ * (row stride table_stride). One task is one sequence and key head. */
+void paged_decode(const float *restrict q, const float *restrict k_cache,
+                  const float *restrict v_cache, const int64_t *restrict table,
+                  int64_t table_stride, const int64_t *restrict lengths, float *restrict out,
+                  int batch, float scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int task = 0; task < batch * HKV; task++) {
+    const int b = task / HKV;
+    attend_rows(q, k_cache, v_cache, table + (int64_t)b * table_stride, lengths, out, b, 1,
+                task % HKV, scale);
+  }
+}
+
+/* A prefill chunk of one sequence: query row i sees slots 0..lengths[i]-1 of the blocks in
+ * `table`. One task is a tile of QT rows and one key head: the tile's rows share each
+ * block's reads. */
 void paged_prefill(const float *restrict q, const float *restrict k_cache,
                    const float *restrict v_cache, const int64_t *restrict table,
                    const int64_t *restrict lengths, float *restrict out, int rows, float scale,
@@ -162,34 +142,8 @@ void paged_prefill(const float *restrict q, const float *restrict k_cache,
   const int tiles = (rows + QT - 1) / QT;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int task = 0; task < tiles * HKV; task++) {
-    const int r0 = task / HKV * QT, g = task % HKV;
-    const int nr = rows - r0 < QT ? rows - r0 : QT;
-    float m[QT][REP], l[QT][REP], acc[QT][REP][D], qs[QT][REP][D], kt[D][BS];
-    int64_t longest = 0;
-    for (int r = 0; r < nr; r++) {
-      const int64_t len = lengths[r0 + r];
-      longest = len > longest ? len : longest;
-      for (int e = 0; e < REP; e++) {
-        m[r][e] = -FLT_MAX;
-        l[r][e] = 0.f;
-        for (int d = 0; d < D; d++) {
-          acc[r][e][d] = 0.f;
-          qs[r][e][d] = q[((int64_t)(r0 + r) * H + g * REP + e) * D + d] * scale;
-        }
-      }
-    }
-    for (int64_t t0 = 0; t0 < longest; t0 += BS) {
-      const int64_t i = t0 / BS;
-      const float *kb = k_cache + table[i] * BS * ROW + g * D;
-      const float *vb = v_cache + table[i] * BS * ROW + g * D;
-      for (int j = 0; j < BS; j++)
-        for (int d = 0; d < D; d++) kt[d][j] = kb[j * ROW + d];
-      for (int r = 0; r < nr; r++) {
-        const int64_t left = lengths[r0 + r] - t0;
-        if (left > 0) row_block(qs[r], kt, vb, left < BS ? (int)left : BS, m[r], l[r], acc[r]);
-      }
-    }
-    for (int r = 0; r < nr; r++)
-      row_out(acc[r], l[r], out + ((int64_t)(r0 + r) * H + g * REP) * D);
+    const int r0 = task / HKV * QT;
+    attend_rows(q, k_cache, v_cache, table, lengths, out, r0,
+                rows - r0 < QT ? rows - r0 : QT, task % HKV, scale);
   }
 }

@@ -36,9 +36,6 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -ffast-math lets the compiler reassociate the dot products into vector lanes and use
 # glibc's vector expf; the source keeps to finite numbers for it (-FLT_MAX, not -inf).
 FAST_MATH = "-ffast-math"
-# Fewer sequences than this many per thread: tasks are (sequence, key head) pairs instead
-# of sequences, so that one or two sequences still keep every thread busy.
-SEQUENCES_PER_THREAD = 4
 
 
 class PagedAttentionKernel:
@@ -52,7 +49,7 @@ class PagedAttentionKernel:
         self._decode = library.paged_decode
         self._decode.restype = None
         self._decode.argtypes = [ptr] * 4 + [ctypes.c_int64] + [ptr] * 2 + [
-            i32, i32, ctypes.c_float, i32]
+            i32, ctypes.c_float, i32]
         self._prefill = library.paged_prefill
         self._prefill.restype = None
         self._prefill.argtypes = [ptr] * 6 + [i32, ctypes.c_float, i32]
@@ -61,14 +58,12 @@ class PagedAttentionKernel:
                lengths: Tensor) -> Tensor:
         """As ``Attention._attend_decode`` computes: q (B, H, D), query b against the first
         ``lengths[b]`` slots of the blocks in ``block_table[b]``."""
-        b = q.shape[0]
         q = self._checked(q, k_cache, v_cache, block_table, lengths)
         out = torch.empty_like(q)
-        threads = torch.get_num_threads()
-        split = 1 if b >= SEQUENCES_PER_THREAD * threads else self.n_kv_heads
         self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                      block_table.data_ptr(), block_table.stride(0), lengths.data_ptr(),
-                     out.data_ptr(), b, split, self.head_dim ** -0.5, threads)
+                     out.data_ptr(), q.shape[0], self.head_dim ** -0.5,
+                     torch.get_num_threads())
         return out
 
     def prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor,
@@ -90,7 +85,9 @@ class PagedAttentionKernel:
         b = q.shape[0]
         geometry = (self.block_size, self.n_kv_heads, self.head_dim)
         if (q.shape[1:] != (self.n_kv_heads * self.n_rep, self.head_dim)
-                or k_cache.shape[1:] != geometry or v_cache.shape != k_cache.shape
+                or v_cache.shape[1:] != geometry
+                or k_cache.shape != (v_cache.shape[0], self.n_kv_heads, self.head_dim,
+                                     self.block_size)
                 or block_table.shape[0] != b or lengths.shape != (b,)
                 or block_table.dtype != torch.int64 or lengths.dtype != torch.int64
                 or q.dtype != torch.float32 or k_cache.dtype != torch.float32

@@ -55,23 +55,25 @@ void silu_mul(const float *restrict gu, float *restrict out, int64_t rows, int i
 }
 
 static inline void rotate(const float *restrict x, const float *restrict cs, float *restrict y,
-                          int dim) {
+                          int dim, int64_t stride) {
   for (int p = 0; p < dim / 2; p++) {
     const float x0 = x[2 * p], x1 = x[2 * p + 1], c = cs[2 * p], s = cs[2 * p + 1];
-    y[2 * p] = x0 * c - x1 * s;
-    y[2 * p + 1] = x1 * c + x0 * s;
+    y[2 * p * stride] = x0 * c - x1 * s;
+    y[(2 * p + 1) * stride] = x1 * c + x0 * s;
   }
 }
 
 /* One step's new tokens into the cache: row t of qkv (q heads, k heads, v heads, each
  * `dim` floats) has its q and k heads rotated by rot[t] (dim/2 (cos, sin) pairs, turning
- * interleaved pairs (2i, 2i+1)); q goes to q_out (t, hq, dim), k and v to slot slots[t]
- * of the caches (slots of hkv * dim floats). Returns the number of slots out of range
- * (their rows are not written); the caller refuses the step on any. */
+ * interleaved pairs (2i, 2i+1)); q goes to q_out (t, hq, dim), k and v to slot slots[t]:
+ * the key cache (blocks, hkv, dim, bs) keeps a block's keys of a head as rows of slots
+ * (worker_svc/cpu_attention.c), the value cache is (blocks, bs, hkv, dim). Returns the
+ * number of slots out of range (their rows are not written); the caller refuses the step
+ * on any. */
 int64_t rotate_into_cache(const float *restrict qkv, const float *restrict rot,
                           const int64_t *restrict slots, float *restrict q_out,
                           float *restrict k_cache, float *restrict v_cache, int64_t tokens,
-                          int hq, int hkv, int dim, int64_t num_slots, int threads) {
+                          int hq, int hkv, int dim, int bs, int64_t num_slots, int threads) {
   const int64_t row = (int64_t)(hq + 2 * hkv) * dim, kv = (int64_t)hkv * dim;
   int64_t bad = 0;
 #pragma omp parallel for num_threads(threads) reduction(+ : bad) \
@@ -82,10 +84,11 @@ int64_t rotate_into_cache(const float *restrict qkv, const float *restrict rot,
     const int cached = slot >= 0 && slot < num_slots;
     bad += !cached;
     for (int h = 0; h < hq; h++)
-      rotate(src + (int64_t)h * dim, cs, q_out + (t * hq + h) * dim, dim);
+      rotate(src + (int64_t)h * dim, cs, q_out + (t * hq + h) * dim, dim, 1);
     if (!cached) continue;
+    float *keys = k_cache + slot / bs * kv * bs + slot % bs;
     for (int h = 0; h < hkv; h++)
-      rotate(src + (int64_t)(hq + h) * dim, cs, k_cache + slot * kv + (int64_t)h * dim, dim);
+      rotate(src + (int64_t)(hq + h) * dim, cs, keys + (int64_t)h * dim * bs, dim, bs);
     for (int64_t i = 0; i < kv; i++) v_cache[slot * kv + i] = src[(int64_t)(hq + hkv) * dim + i];
   }
   return bad;

@@ -45,7 +45,7 @@ class CpuOps:
         self._silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
         self._rotate = library.rotate_into_cache
         self._rotate.restype = i64
-        self._rotate.argtypes = [ptr] * 6 + [i64, i32, i32, i32, i64, i32]
+        self._rotate.argtypes = [ptr] * 6 + [i64, i32, i32, i32, i32, i64, i32]
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
                  residual: Tensor | None = None) -> Tensor:
@@ -76,24 +76,26 @@ class CpuOps:
     def rotate_into_cache(self, qkv: Tensor, rot: Tensor, slots: Tensor, k_cache: Tensor,
                           v_cache: Tensor, n_heads: int) -> Tensor:
         """qkv (T, (H + 2 Hkv) D), rot (T, D/2) complex -> q (T, H, D) rotated; k rotated
-        and v written at ``slots`` (T,) of the caches (blocks, block_size, Hkv, D)."""
+        and v written at ``slots`` (T,) of the caches: keys (blocks, Hkv, D, block_size),
+        values (blocks, block_size, Hkv, D) (``PagedKVCache`` with ``keys_by_dim``)."""
         t = qkv.shape[0]
-        hkv, dim = k_cache.shape[2:]
+        blocks, bs, hkv, dim = v_cache.shape
         cs = torch.view_as_real(rot)
-        if (not _float_rows(qkv, cs, k_cache, v_cache) or v_cache.shape != k_cache.shape
+        if (not _float_rows(qkv, cs, k_cache, v_cache)
+                or k_cache.shape != (blocks, hkv, dim, bs)
                 or qkv.shape != (t, (n_heads + 2 * hkv) * dim) or cs.shape != (t, dim // 2, 2)
                 or slots.shape != (t,) or slots.dtype != torch.int64
                 or not slots.is_contiguous()):
             raise ValueError(f"rotate_into_cache called with qkv {tuple(qkv.shape)}, rot "
                              f"{tuple(rot.shape)}, slots {tuple(slots.shape)} {slots.dtype}, "
-                             f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
+                             f"caches {tuple(k_cache.shape)} {tuple(v_cache.shape)} "
+                             f"{k_cache.dtype}")
         q = qkv.new_empty(t, n_heads, dim)
         bad = self._rotate(qkv.data_ptr(), cs.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), t, n_heads, hkv, dim,
-                           k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads())
+                           k_cache.data_ptr(), v_cache.data_ptr(), t, n_heads, hkv, dim, bs,
+                           blocks * bs, torch.get_num_threads())
         if bad:
-            raise IndexError(f"{bad} of {t} cache slots out of range "
-                             f"(0..{k_cache.shape[0] * k_cache.shape[1] - 1})")
+            raise IndexError(f"{bad} of {t} cache slots out of range (0..{blocks * bs - 1})")
         return q
 
 

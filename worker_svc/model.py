@@ -114,38 +114,53 @@ class ModelInputs:
 class PagedKVCache(nn.Module):
     """Keys and values of one layer in fixed-size blocks.
 
-    Buffers are (num_blocks, block_size, n_kv_heads, head_dim); slot s is block
-    s // block_size, offset s % block_size. Blocks belong to the scheduler: the cache
-    never decides which slot holds what, it only writes and reads the slots it is given.
+    Values are (num_blocks, block_size, n_kv_heads, head_dim); slot s is block
+    s // block_size, offset s % block_size. Keys are the same, or with ``keys_by_dim``
+    (num_blocks, n_kv_heads, head_dim, block_size): the CPU attention kernel's layout, in
+    which a block's keys of one head are rows of slots (``cpu_attention.c``). Blocks
+    belong to the scheduler: the cache never decides which slot holds what, it only
+    writes and reads the slots it is given.
     """
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, keys_by_dim: bool = False) -> None:
         super().__init__()
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        key_shape = (num_blocks, n_kv_heads, head_dim, block_size) if keys_by_dim else shape
+        self.keys_by_dim = keys_by_dim
+        self.register_buffer("k_cache", torch.zeros(key_shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def keys(self) -> Tensor:
+        """The keys as (num_blocks, block_size, n_kv_heads, head_dim), whatever the layout
+        (a view)."""
+        return self.k_cache.permute(0, 3, 1, 2) if self.keys_by_dim else self.k_cache
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write k, v (T, Hkv, D) at ``slots`` (T,)."""
         assert k.shape[0] == slots.shape[0], "one slot per token"
-        self.k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        if self.keys_by_dim:
+            bs = self.v_cache.shape[1]
+            self.keys()[slots // bs, slots % bs] = k
+        else:
+            self.k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def gather(self, kv_index: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values at ``kv_index`` (S,), each (S, Hkv, D)."""
-        h, d = self.k_cache.shape[2:]
-        return (self.k_cache.view(-1, h, d).index_select(0, kv_index),
-                self.v_cache.view(-1, h, d).index_select(0, kv_index))
+        bs, h, d = self.v_cache.shape[1:]
+        keys = (self.keys()[kv_index // bs, kv_index % bs] if self.keys_by_dim
+                else self.k_cache.view(-1, h, d).index_select(0, kv_index))
+        return keys, self.v_cache.view(-1, h, d).index_select(0, kv_index)
 
     def gather_blocks(self, block_table: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of whole blocks, block_table (B, N) -> each (B, N * block_size,
         Hkv, D). One row per block: copying 16-slot blocks is several times faster than
         copying the same bytes slot by slot (``gather``)."""
         b, n = block_table.shape
-        _, bs, h, d = self.k_cache.shape
+        _, bs, h, d = self.v_cache.shape
         flat = block_table.view(-1)
-        return (self.k_cache.index_select(0, flat).view(b, n * bs, h, d),
+        return (self.keys().index_select(0, flat).reshape(b, n * bs, h, d),
                 self.v_cache.index_select(0, flat).view(b, n * bs, h, d))
 
 
@@ -201,10 +216,10 @@ class Transformer(nn.Module):
             layer.attention_norm.ops = layer.ffn_norm.ops = ops
             layer.attention.ops = layer.feed_forward.ops = ops
             a = layer.attention
-            a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim,
-                                      dtype).to(device)
             a.kernel = (attention_kernel(a.n_kv_heads, a.n_heads // a.n_kv_heads,
-                                             c.head_dim, block_size) if cpu_kernel else None)
+                                         c.head_dim, block_size) if cpu_kernel else None)
+            a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim, dtype,
+                                      keys_by_dim=a.kernel is not None).to(device)
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
                                  c.rope_llama3)
         self.rope_components = pair_components(c.mrope_section, device)
@@ -259,7 +274,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rot: Tensor, inputs: ModelInputs) -> Tensor:
         assert self.kv_cache is not None, "call setup_caches"
         t = x.shape[0]
-        if self.ops is not None:
+        if self.ops is not None and self.kv_cache.keys_by_dim:  # the kernels' layout
             q = self.ops.rotate_into_cache(self.wqkv(x).contiguous(), rot, inputs.slot_mapping,
                                            self.kv_cache.k_cache, self.kv_cache.v_cache,
                                            self.n_heads)  # (T, H, D)
