@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import configparser
 import functools
+import hashlib
 import json
 import os
 import resource
@@ -32,8 +33,9 @@ from tandem_testing import pods
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "containers"
 LABEL = "dev.tandem.check"  # on every container the check starts, so one call removes them all
-# The Python the image's venv needs, so the build never runs apt (debootstrap caches it).
-BASE_PACKAGES = ("python3", "python3-venv")
+# The Python the image's venv needs and the C compiler its CPU workers build their kernels
+# with, so the build never runs apt (debootstrap caches them).
+BASE_PACKAGES = ("python3", "python3-venv", "gcc", "libc6-dev")
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -102,10 +104,12 @@ def apt_source() -> tuple[str, str]:
 def base_image() -> str:
     """The base image's tag, imported from the cached minbase tarball (made once)."""
     suite, mirror = apt_source()
-    tag = f"localhost/tandem-base:{suite}-minbase"
+    # The packages name the image: a base cached with fewer is not taken for this one.
+    flavour = f"{suite}-minbase-{hashlib.sha256(' '.join(BASE_PACKAGES).encode()).hexdigest()[:8]}"
+    tag = f"localhost/tandem-base:{flavour}"
     if podman("image", "exists", tag, check=False).returncode == 0:
         return tag
-    tarball = CACHE / f"{suite}-minbase.tar"
+    tarball = CACHE / f"{flavour}.tar"
     if not tarball.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             root = Path(tmp) / "root"

@@ -221,6 +221,17 @@ def test_the_same_image_twice_hits_the_caches_over_the_segment(cell: RunningCell
         list(cell.host_dir.iterdir()))
 
 
+def test_the_cpu_worker_builds_its_kernels_in_the_image(cell: RunningCell) -> None:
+    """The image carries a C compiler and the pod's /tmp lets the worker load what it
+    compiles: no kernel falls back to torch's path (each fallback logs a warning)."""
+    cell.generate(request("Hello", [], max_tokens=2))  # the worker has loaded the model
+    log = containers.logs(cell.container(cell.pod_name("worker")))
+    assert "ready: cpu" in log, log[-3000:]  # the worker's log, at INFO, on the CPU
+    for fallback in ("decode attention gathers each context", "elementwise ops stay torch's",
+                     "linear layers keep oneDNN's layout"):
+        assert fallback not in log, log[-3000:]
+
+
 @pytest.mark.parametrize("component", ["scheduler", "worker"])
 def test_metrics_are_served_on_the_port_each_container_declares(cell: RunningCell,
                                                                 component: str) -> None:

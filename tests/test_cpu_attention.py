@@ -8,6 +8,7 @@ import logging
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,7 +164,8 @@ def test_kernel_rejects_a_layout_it_was_not_built_for() -> None:
 @pytest.mark.skipif(torch_openmp() is None, reason="torch without libgomp: the build stops "
                     "before it tries a compiler")
 def test_without_a_compiler_attention_gathers_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
     build = attention_kernel.__wrapped__  # not the per-process cache
     monkeypatch.setenv("CC", "tandem-no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
@@ -174,3 +176,13 @@ def test_without_a_compiler_attention_gathers_and_says_why(
     with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
         assert build(3, 3, 64, 16) is None
     assert "failed" in caplog.text
+    caplog.clear()
+    # A "compiler" that succeeds but leaves a file no loader takes (as a library in a
+    # directory mounted noexec would be refused): the worker gathers, it does not crash.
+    empty = tmp_path / "empty-cc"
+    empty.write_text('#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\n: > "$2"\n')
+    empty.chmod(0o755)
+    monkeypatch.setenv("CC", str(empty))
+    with caplog.at_level(logging.WARNING, logger="worker_svc.cpu_build"):
+        assert build(3, 3, 64, 16) is None
+    assert "the compiled kernel could not be loaded" in caplog.text

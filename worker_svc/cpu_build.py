@@ -7,9 +7,9 @@ else ``cc``) with ``-march=native``: the code then uses the vector width this CP
 against the OpenMP runtime torch itself loaded, so a kernel's threads are torch's team
 (``torch.get_num_threads()`` per call), never a second pool competing for the same cores.
 
-Where there is no compiler or torch brings no ``libgomp`` (a slim container image, a macOS
-build), :func:`build_library` returns None and logs why; the caller then keeps torch's
-path for that work.
+Where there is no compiler, torch brings no ``libgomp`` (a macOS build) or the compiled
+library cannot be loaded (a temporary directory mounted ``noexec``), :func:`build_library`
+returns None and logs why; the caller then keeps torch's path for that work.
 """
 
 from __future__ import annotations
@@ -75,4 +75,9 @@ def build_library(source: Path, flags: Sequence[str], fallback: str) -> ctypes.C
                 log.warning("%s: %s failed: %s", fallback, " ".join(command),
                             result.stderr.strip()[-2000:])
                 return None
-        return ctypes.CDLL(str(target))
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as e:  # e.g. a temporary directory mounted noexec
+            log.warning("%s: the compiled kernel could not be loaded from %s: %s", fallback,
+                        tmp, e)
+            return None
