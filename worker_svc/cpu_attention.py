@@ -9,11 +9,13 @@ each sequence's blocks in place with a running softmax: measured on SmolLM2-135M
 geometry (batch 16, ~300-token contexts, 30 layers, 2 AVX2 cores), 0.6-0.75x the time of
 gather + SDPA (docs/worker.md, "Where a decode step's time goes").
 
-A prefill chunk (n queries of one sequence, query i seeing the slots up to its position)
-has a function of its own, ``paged_prefill``: tiles of query rows share each K block,
-transposed once, so a query's scores against a block are vector lanes rather than one
-horizontal sum per key. Measured on SmolLM2-135M's geometry, 2 AVX-512 cores: a 480-token
-prefill's attention (30 layers) took 85 ms, 0.73x its time as 480 decodes (docs/worker.md).
+Keys are cached by dimension (``PagedKVCache(keys_by_dim=True)``), so a query's scores
+against a block are vector lanes rather than one horizontal sum per key. A prefill chunk
+(n queries of one sequence, query i seeing the slots up to its position) has a function of
+its own, ``paged_prefill``: tiles of query rows share each block's reads. Decodes and
+chunks run the same per-row code, so a position gets the same bits either way. Measured on
+SmolLM2-135M's geometry, 2 AVX-512 cores: a 480-token prefill's attention (30 layers) took
+65 ms, against 117 as 480 decodes over the former layout (docs/worker.md).
 
 It is compiled when a model's caches are set up, once per process and cache geometry
 (``cpu_build.py``), with the geometry as constants: the loops then have fixed trip counts
@@ -30,12 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from worker_svc.cpu_build import build_library
+from worker_svc.cpu_build import FAST_MATH, build_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -ffast-math lets the compiler reassociate the dot products into vector lanes and use
-# glibc's vector expf; the source keeps to finite numbers for it (-FLT_MAX, not -inf).
-FAST_MATH = "-ffast-math"
 
 
 class PagedAttentionKernel:
@@ -107,7 +106,7 @@ def attention_kernel(n_kv_heads: int, n_rep: int, head_dim: int,
     constants = [f"-DHKV={n_kv_heads}", f"-DREP={n_rep}", f"-DD={head_dim}",
                  f"-DBS={block_size}"]
     library = build_library(SOURCE, [FAST_MATH, *constants],
-                            "decode attention gathers each context (gather + SDPA)")
+                            "attention gathers each context (gather + SDPA)")
     if library is None:
         return None
     return PagedAttentionKernel(library, n_kv_heads, n_rep, head_dim, block_size)

@@ -2,10 +2,10 @@
  *
  * The weight (N, K) is stored as N/PW panels of (K, PW): panel p holds columns
  * p*PW .. p*PW+PW-1 of w^T, row k of the panel contiguous. A tile of TW output columns
- * and MT rows of x keeps MT x NV vector accumulators in registers; each step of k loads
- * NV weight vectors once and multiplies them by MT broadcast scalars of x. So every weight
- * float is read once per MT rows, in order, from one stream per panel (the hardware
- * prefetcher follows it), and no horizontal sums are needed. Each output is a sum over k
+ * and its rows of x (all of them up to ONE_PASS, a decode batch; MT at a time above) keeps
+ * rows x NV vector accumulators; each step of k loads NV weight vectors once and
+ * multiplies them by one broadcast scalar of x per row. So every weight float is read once
+ * per tile, in order, from one stream per panel, and no horizontal sums are needed. Each output is a sum over k
  * in order, the same whatever the number of rows: a row's result does not depend on the
  * batch it came in.
  */

@@ -5,8 +5,9 @@ Two layouts, one chosen per worker by :func:`pack_linears`:
 * **Column panels, multiplied by our own kernel** (``cpu_gemm.c``, :class:`PanelLinear`),
   on CPUs with AVX-512 where the kernel builds (``cpu_build.py``). Measured on
   SmolLM2-135M's 151 weights per step, streamed from DRAM, 2 AVX-512 cores (Xeon): 0.80x
-  oneDNN's time at 1 row, 0.85-0.88x at 4-16 rows, 0.95-0.99x at 160-512 rows
-  (docs/worker.md, "Where a decode step's time goes"). The panels are a plain tensor the
+  oneDNN's time at 1 row, 0.85-0.88x at 4-16 rows, 0.95-0.99x at 160-512 rows, before
+  decode batches became one pass over the weights (a batch-16 decode step now ~0.75x
+  oneDNN's; docs/worker.md, "Where a decode step's time goes"). The panels are a plain tensor the
   size of the weight: no per-size GEMM state, nothing to warm up. On AVX2 the same source
   runs, but oneDNN's kernels are faster there (1.1-1.6x less time, measured on the same
   Xeon with ``-march=haswell``), so AVX2 machines keep oneDNN.

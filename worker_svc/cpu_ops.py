@@ -18,12 +18,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from worker_svc.cpu_build import build_library
+from worker_svc.cpu_build import FAST_MATH, build_library
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-# -ffast-math lets glibc's vector expf run SiLU in vector lanes; the source keeps its
-# numbers finite for it (SiLU's exponent is capped).
-FAST_MATH = "-ffast-math"
 
 
 def _float_rows(*tensors: Tensor) -> bool:
@@ -102,5 +99,6 @@ class CpuOps:
 @cache
 def cpu_ops() -> CpuOps | None:
     """The ops, built once per process; None (and a warning) where they cannot be."""
+    # fast math for SiLU's vector expf; the source caps its exponent to stay finite
     library = build_library(SOURCE, [FAST_MATH], "elementwise ops stay torch's")
     return None if library is None else CpuOps(library)
