@@ -147,3 +147,39 @@ void paged_prefill(const float *restrict q, const float *restrict k_cache,
                 rows - r0 < QT ? rows - r0 : QT, task % HKV, scale);
   }
 }
+
+/* The calling thread's share of a whole step's attention (called by every thread of the
+ * decoder's team, cpu_decoder.c): prefill chunks and decodes in one work-sharing loop, so
+ * that neither waits for the other at a barrier. `plan` (int64, built by
+ * worker_svc/cpu_decoder.py):
+ *   [0] chunks C, [1] decodes B, [2] the decodes' table row stride, [3] their block table
+ *   (B rows), [4] their lengths (B), [5] their rows of q (B), then per chunk: first row of
+ *   q, rows, block table (its blocks), lengths (one per row);
+ * tables, lengths and rows as addresses. A chunk's tiles and a decode are the tasks of
+ * paged_prefill and paged_decode, on the same rows: the same bits. */
+void paged_attention_part(const float *restrict q, const float *restrict k_cache,
+                          const float *restrict v_cache, const int64_t *restrict plan,
+                          float *restrict out, float scale) {
+  const int64_t chunks = plan[0], decodes = plan[1], stride = plan[2];
+  const int64_t *table = (const int64_t *)plan[3], *lengths = (const int64_t *)plan[4],
+                *rows = (const int64_t *)plan[5], *chunk = plan + 6;
+  int64_t chunk_tasks = 0;
+  for (int64_t c = 0; c < chunks; c++) chunk_tasks += (chunk[4 * c + 1] + QT - 1) / QT * HKV;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < chunk_tasks + decodes * HKV; task++) {
+    if (task >= chunk_tasks) {
+      const int64_t b = (task - chunk_tasks) / HKV, row = rows[b] * H * D;
+      attend_rows(q + row, k_cache, v_cache, table + b * stride, lengths + b, out + row, 0, 1,
+                  (int)((task - chunk_tasks) % HKV), scale);
+      continue;
+    }
+    int64_t c = 0, first = 0; /* the chunk holding this task, and its first task */
+    while (first + (chunk[4 * c + 1] + QT - 1) / QT * HKV <= task)
+      first += (chunk[4 * c++ + 1] + QT - 1) / QT * HKV;
+    const int64_t start = chunk[4 * c] * H * D, n = chunk[4 * c + 1];
+    const int r0 = (int)((task - first) / HKV * QT);
+    attend_rows(q + start, k_cache, v_cache, (const int64_t *)chunk[4 * c + 2],
+                (const int64_t *)chunk[4 * c + 3], out + start, r0,
+                n - r0 < QT ? (int)(n - r0) : QT, (int)((task - first) % HKV), scale);
+  }
+}

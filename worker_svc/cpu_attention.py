@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from worker_svc.cpu_build import FAST_MATH, build_library
+from worker_svc.cpu_build import FAST_MATH, address, build_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 
@@ -52,6 +52,7 @@ class PagedAttentionKernel:
         self._prefill = library.paged_prefill
         self._prefill.restype = None
         self._prefill.argtypes = [ptr] * 6 + [i32, ctypes.c_float, i32]
+        self.part = address(library, "paged_attention_part")  # a step's, for cpu_decoder.c
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                lengths: Tensor) -> Tensor:

@@ -85,3 +85,12 @@ def build_library(source: Path, flags: Sequence[str], fallback: str) -> ctypes.C
             log.warning("%s: the compiled kernel could not be loaded from %s: %s", fallback,
                         tmp, e)
             return None
+
+
+def address(library: ctypes.CDLL, name: str) -> int:
+    """The address of function ``name`` of ``library``: how one compiled kernel hands
+    another's to C (``cpu_decoder.c`` calls the others' ``_part`` functions)."""
+    pointer = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    if not pointer:
+        raise OSError(f"{name} has no address in {library._name}")
+    return pointer

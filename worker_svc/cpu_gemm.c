@@ -39,11 +39,14 @@ int gemm_columns_multiple(void) {
   return PW / a * TW;
 }
 
-void panel_gemm(const float *restrict x, const float *restrict wp, float *restrict y, int m,
-                int n, int k, int threads) {
+/* The calling thread's share of y = x @ w^T: called by every thread of a team (the
+ * work-sharing loop binds to the enclosing parallel region, here or the decoder's in
+ * cpu_decoder.c), or alone by one thread. */
+void panel_gemm_part(const float *restrict x, const float *restrict wp, float *restrict y,
+                     int m, int n, int k) {
 /* Dynamic: a thread that shares its core with another job takes fewer tiles instead of
  * holding the others at the barrier. */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
   for (int t = 0; t < n / TW; t++) {
     const int n0 = t * TW;
     const float *w[NV]; /* this tile's vectors of row 0 of their panels */
@@ -99,4 +102,10 @@ void panel_gemm(const float *restrict x, const float *restrict wp, float *restri
       }
     }
   }
+}
+
+void panel_gemm(const float *restrict x, const float *restrict wp, float *restrict y, int m,
+                int n, int k, int threads) {
+#pragma omp parallel num_threads(threads)
+  panel_gemm_part(x, wp, y, m, n, k);
 }

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker_svc.cpu_build import avx512, build_library
+from worker_svc.cpu_build import address, avx512, build_library
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class PanelGemm:
         multiple = library.gemm_columns_multiple
         multiple.restype = ctypes.c_int
         self.columns_multiple = int(multiple())  # what N is padded to
+        self.part = address(library, "panel_gemm_part")  # for cpu_decoder.c
 
     def panels(self, weight: Tensor) -> Tensor:
         """(N, K) -> (N'/16, K, 16), N' the next multiple of ``columns_multiple``, the

@@ -15,11 +15,15 @@
 
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 
+/* Each op below is a `_part`, the calling thread's share of the rows (its work-sharing loop
+ * binds to the enclosing parallel region: the op's own, or the decoder's in cpu_decoder.c),
+ * and a function that runs it on a team of its own. */
+
 /* out = rmsnorm(x) * w, row by row; with residual, x += residual first (x then holds the
  * sum, the residual stream of the next block). */
-void rms_norm(float *restrict x, const float *restrict residual, const float *restrict w,
-              float *restrict out, int64_t rows, int dim, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_FLOATS)
+void rms_norm_part(float *restrict x, const float *restrict residual, const float *restrict w,
+                   float *restrict out, int64_t rows, int dim, float eps) {
+#pragma omp for
   for (int64_t r = 0; r < rows; r++) {
     float *xr = x + r * dim;
     if (residual != 0)
@@ -40,11 +44,16 @@ void rms_norm(float *restrict x, const float *restrict residual, const float *re
   }
 }
 
+void rms_norm(float *restrict x, const float *restrict residual, const float *restrict w,
+              float *restrict out, int64_t rows, int dim, float eps, int threads) {
+#pragma omp parallel num_threads(threads) if (rows * dim >= PARALLEL_FLOATS)
+  rms_norm_part(x, residual, w, out, rows, dim, eps);
+}
+
 /* out (rows, inter) = silu(gate) * up of a fused gate/up GEMM's output gu (rows, 2 inter),
  * gate columns first. */
-void silu_mul(const float *restrict gu, float *restrict out, int64_t rows, int inter,
-              int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_FLOATS)
+void silu_mul_part(const float *restrict gu, float *restrict out, int64_t rows, int inter) {
+#pragma omp for
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gu + r * 2 * inter, *u = g + inter;
     float *o = out + r * inter;
@@ -52,6 +61,12 @@ void silu_mul(const float *restrict gu, float *restrict out, int64_t rows, int i
      * -ffast-math, which assumes no infinities): silu(-88) is -1e-37, i.e. 0. */
     for (int i = 0; i < inter; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 88.f))) * u[i];
   }
+}
+
+void silu_mul(const float *restrict gu, float *restrict out, int64_t rows, int inter,
+              int threads) {
+#pragma omp parallel num_threads(threads) if (rows * inter >= PARALLEL_FLOATS)
+  silu_mul_part(gu, out, rows, inter);
 }
 
 static inline void rotate(const float *restrict x, const float *restrict cs, float *restrict y,
@@ -68,16 +83,16 @@ static inline void rotate(const float *restrict x, const float *restrict cs, flo
  * interleaved pairs (2i, 2i+1)); q goes to q_out (t, hq, dim), k and v to slot slots[t]:
  * the key cache (blocks, hkv, dim, bs) keeps a block's keys of a head as rows of slots
  * (worker_svc/cpu_attention.c), the value cache is (blocks, bs, hkv, dim). Returns the
- * number of slots out of range (their rows are not written); the caller refuses the step
- * on any. */
-int64_t rotate_into_cache(const float *restrict qkv, const float *restrict rot,
-                          const int64_t *restrict slots, float *restrict q_out,
-                          float *restrict k_cache, float *restrict v_cache, int64_t tokens,
-                          int hq, int hkv, int dim, int bs, int64_t num_slots, int threads) {
+ * number of this thread's slots out of range (their rows are not written); the caller
+ * refuses the step on any. */
+int64_t rotate_into_cache_part(const float *restrict qkv, const float *restrict rot,
+                               const int64_t *restrict slots, float *restrict q_out,
+                               float *restrict k_cache, float *restrict v_cache,
+                               int64_t tokens, int hq, int hkv, int dim, int bs,
+                               int64_t num_slots) {
   const int64_t row = (int64_t)(hq + 2 * hkv) * dim, kv = (int64_t)hkv * dim;
   int64_t bad = 0;
-#pragma omp parallel for num_threads(threads) reduction(+ : bad) \
-    if (tokens * row >= PARALLEL_FLOATS)
+#pragma omp for
   for (int64_t t = 0; t < tokens; t++) {
     const float *src = qkv + t * row, *cs = rot + t * dim;
     const int64_t slot = slots[t];
@@ -91,5 +106,17 @@ int64_t rotate_into_cache(const float *restrict qkv, const float *restrict rot,
       rotate(src + (int64_t)(hq + h) * dim, cs, keys + (int64_t)h * dim * bs, dim, bs);
     for (int64_t i = 0; i < kv; i++) v_cache[slot * kv + i] = src[(int64_t)(hq + hkv) * dim + i];
   }
+  return bad;
+}
+
+int64_t rotate_into_cache(const float *restrict qkv, const float *restrict rot,
+                          const int64_t *restrict slots, float *restrict q_out,
+                          float *restrict k_cache, float *restrict v_cache, int64_t tokens,
+                          int hq, int hkv, int dim, int bs, int64_t num_slots, int threads) {
+  int64_t bad = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : bad) \
+    if (tokens * (hq + 2 * hkv) * dim >= PARALLEL_FLOATS)
+  bad += rotate_into_cache_part(qkv, rot, slots, q_out, k_cache, v_cache, tokens, hq, hkv, dim,
+                                bs, num_slots);
   return bad;
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from worker_svc.cpu_build import FAST_MATH, build_library
+from worker_svc.cpu_build import FAST_MATH, address, build_library
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 
@@ -43,6 +43,9 @@ class CpuOps:
         self._rotate = library.rotate_into_cache
         self._rotate.restype = i64
         self._rotate.argtypes = [ptr] * 6 + [i64, i32, i32, i32, i32, i64, i32]
+        # each op's share of a team's work, for cpu_decoder.c
+        self.parts = {op: address(library, f"{name}_part") for op, name in (
+            ("norm", "rms_norm"), ("silu", "silu_mul"), ("rotate", "rotate_into_cache"))}
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
                  residual: Tensor | None = None) -> Tensor:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker_svc.cpu_attention import PagedAttentionKernel, attention_kernel
+from worker_svc.cpu_decoder import CpuDecoder, cpu_decoder
 from worker_svc.cpu_ops import CpuOps, cpu_ops
 from worker_svc.layers import (
     RMSNorm,
@@ -184,6 +185,9 @@ class Transformer(nn.Module):
         self.rope: Tensor | None = None
         self.rope_components: Tensor | None = None
         self.num_blocks, self.block_size = 0, 0
+        # Set with the caches: every layer in one compiled call where each piece of it is
+        # compiled (cpu_decoder.py), else None (layer by layer).
+        self.decoder: CpuDecoder | None = None
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -220,6 +224,7 @@ class Transformer(nn.Module):
                                          c.head_dim, block_size) if cpu_kernel else None)
             a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim, dtype,
                                       keys_by_dim=a.kernel is not None).to(device)
+        self.decoder = cpu_decoder(self.layers) if cpu_kernel else None
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
                                  c.rope_llama3)
         self.rope_components = pair_components(c.mrope_section, device)
@@ -238,8 +243,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(inputs.tokens)  # (T, dim)
         h = h.index_copy(0, inputs.mm_index, inputs.mm_embeds.to(h.dtype))
         rot = rotary_for_positions(self.rope, inputs.positions, self.rope_components)
-        for layer in self.layers:
-            h = layer(h, rot, inputs)
+        if self.decoder is not None and self.decoder.applies(self.layers):
+            h = self.decoder(h, rot, inputs)  # h: index_copy's fresh tensor, summed in place
+        else:
+            for layer in self.layers:
+                h = layer(h, rot, inputs)
         return self.output(self.norm(h[inputs.logits_index])).float()  # (R, vocab)
 
 
