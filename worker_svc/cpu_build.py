@@ -1,6 +1,7 @@
 """Build a C kernel of the worker for this machine, at load, and load it (``ctypes``).
 
-The worker's CPU kernels (``cpu_attention.c``, ``cpu_gemm.c``, ``cpu_ops.c``) ship as C
+The worker's CPU kernels (``cpu_attention.c``, ``cpu_gemm.c``, ``cpu_ops.c``, and
+``cpu_decoder.c``, which runs the others over every layer of a step in one call) ship as C
 source in the wheel and are compiled when a model is loaded, by the C compiler on the
 machine (``$CC``, else ``cc``) with ``-march=native``: the code then uses the vector
 width this CPU has (AVX-512, AVX2, NEON), and a kernel may take its geometry as

@@ -10,9 +10,9 @@ call runs them all on one OpenMP team; the kernels are the same functions on the
 so the logits are the same bits as layer by layer (``tests/test_cpu_decoder.py``).
 
 The model takes this path when :func:`cpu_decoder` finds every piece in place at
-``setup_caches`` and, each step, the layers still as they were then (:meth:`CpuDecoder.
-applies`): a forward hook (tensor parallelism's all-reduce), a kernel switched off or a
-padded GEMM output sends the step layer by layer.
+``setup_caches`` and, each step, the layers still as they were then
+(:meth:`CpuDecoder.applies`): a forward hook (tensor parallelism's all-reduce), a kernel
+switched off or a padded GEMM output sends the step layer by layer.
 """
 
 from __future__ import annotations

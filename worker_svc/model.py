@@ -20,7 +20,8 @@ chunk) attends on its own, and all single-token sequences (decodes) attend toget
 call, each context read through its block table: in place by the CPU kernel of
 ``cpu_attention.py`` (a prefill chunk's rows as decodes of their own, each seeing the slots
 up to its position), else gathered (decodes padded to the longest, chunks under a causal
-mask).
+mask). Where every piece of a layer is compiled (CPU, float32), ``forward`` hands all the
+layers to one compiled call (``cpu_decoder.py``), the same kernels in the same order.
 NOTE: padding the whole batch to (B, max_q) was rejected: a step mixing one prefill chunk
 with decodes would pad every decode to the chunk's length. For the same reason prefill and
 decode share one ``forward`` (the unit a compiler would take) instead of two top-level

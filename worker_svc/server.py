@@ -89,6 +89,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if group is not None:
             group.all_reduce_outputs(model)
         model.setup_caches(kv_cache_blocks(c, model.config, device, dtype), c.block_size)
+        if model.decoder is not None:
+            log.info("worker %d: the decoder's layers in one call (cpu_decoder.c)", c.rank)
         runner = StepRunner(model, ShmReceiverCache(c.shm_dir, c.rank, device),
                             debug_invariants=os.environ.get("TANDEM_DEBUG_INVARIANTS") == "1",
                             tp=group)
