@@ -5,11 +5,10 @@ a hook waits on it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
+from test_cpu_attention import threads
 
 from tandem_testing.scripted import ScriptedRequest, ScriptedScheduler
 from worker_svc.checkpoint import build_model
@@ -47,16 +46,6 @@ def served(config: ModelConfig) -> Transformer:
     assert pack_linears(model, panels=True) > 0
     model.setup_caches(num_blocks=96, block_size=BLOCK)
     return model
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def greedy_run(model: Transformer) -> tuple[list[list[int]], list[torch.Tensor]]:
