@@ -79,22 +79,24 @@ class CpuDecoder:
             _ptr(b.feed_forward.w13.bias), _ptr(b.feed_forward.w2.weight),
             _ptr(b.feed_forward.w2.bias), _ptr(b.attention.kv_cache.k_cache),
             _ptr(b.attention.kv_cache.v_cache)] for b in layers], dtype=torch.int64)
-        self._state = [self._pieces(b) for b in layers]
-
-    @staticmethod
-    def _pieces(block: Block) -> tuple[object, ...]:
-        """What the addresses above were read from: the step goes layer by layer when any
-        of it changed, or when a hook waits on a module of the layer."""
-        a, ff = block.attention, block.feed_forward
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
-        return (hooked, a.kernel, a.ops, ff.ops, block.attention_norm.ops, block.ffn_norm.ops,
-                a.kv_cache, a.wqkv, a.wo, ff.w13, ff.w2)
+        # What the addresses above were read from (kept alive here), each as the dict that
+        # holds it (a module's submodules live in its ``_modules``, other attributes in its
+        # ``__dict__``), and every module's hooks: a step goes layer by layer when a piece
+        # was swapped since (a kernel switched off) or a hook waits on a module (tensor
+        # parallelism's all-reduce). Flat lists of dict lookups, because the check runs
+        # every step: walked module by module with getattr it took 0.7 ms over 30 layers.
+        self._pieces = [(_holder(owner, name), name, getattr(owner, name)) for b in layers
+                        for owner, name in _pieces_of(b)]
+        self._hooks = [d for b in layers for m in b.modules()
+                       for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._layers = len(layers)
 
     def applies(self, layers: Sequence[nn.Module]) -> bool:
-        """Whether ``layers`` are still the ones it was built on, every piece compiled."""
-        return (len(layers) == len(self._state)
-                and all(self._pieces(b) == s  # type: ignore[arg-type]
-                        for b, s in zip(layers, self._state, strict=True)))
+        """Whether ``layers`` are still the ones it was built on, every piece compiled and
+        no hook attached."""
+        return (len(layers) == self._layers
+                and all(held.get(name) is value for held, name, value in self._pieces)
+                and not any(self._hooks))
 
     def plan(self, inputs: Any) -> Tensor:
         """The step's attention for ``paged_attention_part`` (``cpu_attention.c``): the
@@ -140,7 +142,7 @@ class CpuDecoder:
                              f"{tuple(rot.shape)}, slots {tuple(slots.shape)} {slots.dtype}")
         plan = self.plan(inputs)
         work = torch.empty(t * self.work_per_token)
-        bad = self._fn(self._kernels.data_ptr(), self._weights.data_ptr(), len(self._state),
+        bad = self._fn(self._kernels.data_ptr(), self._weights.data_ptr(), self._layers,
                        h.data_ptr(), work.data_ptr(), cs.data_ptr(), slots.data_ptr(),
                        plan.data_ptr(), t, self.dim, self.n_heads, self.n_kv_heads,
                        self.head_dim, self.inter, self.block_size, self.num_slots, self.eps,
@@ -183,10 +185,23 @@ def cpu_decoder(layers: Sequence[Block]) -> CpuDecoder | None:
                                               b.ffn_norm.ops))
                 or not all(_panels(m, gemm) for m in (a.wqkv, a.wo, ff.w13, ff.w2))
                 or not all(_floats(n.weight, dim) for n in (b.attention_norm, b.ffn_norm))
-                or CpuDecoder._pieces(b)[0]):  # hooked
+                or any(m._forward_hooks or m._forward_pre_hooks for m in b.modules())):
             return None
     library = decoder_library()
     return None if library is None else CpuDecoder(library, layers, gemm, kernel, ops)
+
+
+def _holder(owner: nn.Module, name: str) -> dict[str, object]:
+    """The dict in which ``owner`` keeps attribute ``name``."""
+    return owner._modules if name in owner._modules else vars(owner)  # type: ignore[return-value]
+
+
+def _pieces_of(b: Block) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of each piece of block ``b`` that the decoder reads."""
+    a, ff = b.attention, b.feed_forward
+    return [(a, "kernel"), (a, "ops"), (a, "kv_cache"), (a, "wqkv"), (a, "wo"), (ff, "ops"),
+            (ff, "w13"), (ff, "w2"), (b.attention_norm, "ops"), (b.ffn_norm, "ops"),
+            (b, "attention"), (b, "feed_forward"), (b, "attention_norm"), (b, "ffn_norm")]
 
 
 def _shape(b: Block) -> tuple[object, ...]:
