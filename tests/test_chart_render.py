@@ -216,7 +216,12 @@ def test_helm_test_http_script_completes_against_a_real_cell(helm: dict,
         out = subprocess.run([sys.executable, "-c", script, f"http://127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert json.loads(out.stdout)["usage"]["completion_tokens"] == 4
+    # The script samples (OpenAI's default temperature, 1): the tiny random model ends with
+    # EOS before its 4 tokens in ~1% of requests (measured: 4 of 400), which made `== 4` a
+    # flake (a fresh CI run got 1 token).
+    answer = json.loads(out.stdout)
+    tokens, finish = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+    assert 1 <= tokens <= 4 and finish == ("length" if tokens == 4 else "stop"), answer
 
 
 def test_helm_test_health_script_waits_for_serving(helm: dict) -> None:
