@@ -305,6 +305,10 @@ def test_mutual_tls_and_the_remote_image_guard(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=MODEL, messages=local)
         assert _error(caught.value)["code"] == "remote_image_refused"
+        # The client's pooled TLS connection is idle: the stop does not wait the grace (30
+        # s) for its close_notify (it did, and this stop's SIGKILL orphaned the worker).
+        stop_process(proc, 20)
+        assert proc.returncode == 0, (tmp_path / "cell.log").read_text()[-3000:]
     finally:
         channel.close()
         stop_process(proc, 30)

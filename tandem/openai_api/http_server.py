@@ -126,6 +126,17 @@ class HttpServer:
         # (and log so) even with nothing left to wait for.
         self.server.config.timeout_graceful_shutdown = max(grace, 0.05)  # type: ignore[assignment]
         self.server.should_exit = True
+        # uvicorn closes an idle keep-alive connection gracefully, which over TLS waits for
+        # the client's close_notify, up to asyncio's SSL shutdown timeout (30 s): a client
+        # that keeps its connection in a pool (openai's, httpx's) held the stop for the
+        # whole grace, and a supervisor that stops at the grace killed the process. Once no
+        # response is in flight (uvicorn's task set empty), what is left is idle: aborted.
+        state = self.server.server_state
+        while not self.task.done():
+            if not state.tasks:
+                for connection in list(state.connections):
+                    connection.transport.abort()  # type: ignore[attr-defined]
+            await asyncio.wait({self.task}, timeout=0.05)
         await self.task
         if self.fetcher is not None:
             await self.fetcher.close()
