@@ -412,7 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              args=(_worker_config(args, r, args.workers,
                                                   _child_metrics_port(args.metrics_port, r),
                                                   tp_master=tp_master, threads=threads),
-                                   tracing_args),
+                                   tracing_args, os.getpid()),
                              name=f"tandem-worker-{r}") for r in ranks]
         for p in procs:
             p.start()
@@ -453,7 +453,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
+def _run_worker(config, tracing_args: tuple[str | None, str | None], parent: int) -> None:
     from tandem import tracing
     from worker_svc.server import serve
 
@@ -461,6 +461,7 @@ def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
                         "%(levelname)s %(message)s")
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
+    _stop_with(parent)
     tracing.setup("tandem-worker", *tracing_args)
     try:
         serve(config)
@@ -469,6 +470,27 @@ def _run_worker(config, tracing_args: tuple[str | None, str | None]) -> None:
         sys.exit(2)
     finally:
         tracing.shutdown()
+
+
+def _stop_with(parent: int) -> None:
+    """SIGTERM for this worker when ``tandem serve`` (pid ``parent``) dies, however it dies.
+
+    Its supervisor stops the workers when it gets to run its stop; a SIGKILL (the OOM
+    killer, a supervisor of its own out of patience) left them running, orphans holding
+    their memory and the segment. Linux's parent-death signal is sent when the thread that
+    started the worker ends: the main thread, or the supervisor's, which ends in its stop.
+    """
+    import ctypes
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0):
+        logging.getLogger(__name__).warning("worker: no parent-death signal (prctl: %s)",
+                                            os.strerror(ctypes.get_errno()))
+    elif os.getppid() != parent:  # it died before the prctl
+        sys.exit(f"tandem worker: tandem serve (pid {parent}) exited as the worker started")
 
 
 def _setup_tracing(service_name: str, args: argparse.Namespace) -> None:

@@ -7,10 +7,12 @@ import os
 import signal
 import time
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import pytest
 
 from tandem_cli.supervisor import Backoff, WorkerSupervisor
+from tandem_testing.cells import running_cell
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -84,3 +86,29 @@ def test_a_group_restarts_together_and_stop_ends_restarts() -> None:
 def test_groups_must_divide_the_workers() -> None:
     with pytest.raises(ValueError):
         WorkerSupervisor(Starter(), 3, group_size=2)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie no one reaps (its parent was killed)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_the_workers_stop_when_tandem_serve_is_killed(tmp_path: Path) -> None:
+    """SIGKILL gives ``tandem serve`` no stop of its own: its workers get the parent-death
+    signal instead (they were left running, orphans holding the segment)."""
+    with running_cell(tmp_path) as cell:
+        workers = _children(cell.proc.pid)
+        assert workers, "tandem serve has a worker process"
+        os.kill(cell.proc.pid, signal.SIGKILL)
+        cell.proc.wait()
+        _wait(lambda: all(_gone(w) for w in workers))
