@@ -225,7 +225,7 @@ class Transformer(nn.Module):
                                          c.head_dim, block_size) if cpu_kernel else None)
             a.kv_cache = PagedKVCache(num_blocks, block_size, a.n_kv_heads, c.head_dim, dtype,
                                       keys_by_dim=a.kernel is not None).to(device)
-        self.decoder = cpu_decoder(self.layers) if cpu_kernel else None
+        self.decoder = cpu_decoder(self.layers)  # None unless every piece is compiled
         self.rope = rotary_table(c.head_dim // 2, c.max_seq_len, c.rope_theta, device,
                                  c.rope_llama3)
         self.rope_components = pair_components(c.mrope_section, device)
